@@ -1,0 +1,102 @@
+"""Errors that can reach a client, each with a stable code.
+
+Hierarchy::
+
+    DuplexqError                      code, retryable, message
+    ├── FenceMismatchError            fence_mismatch: a message or call carries a regressed fence
+    ├── SessionError
+    │   ├── SessionExistsError        session_exists: open of a live session id
+    │   ├── SessionNotFoundError      session_not_found
+    │   └── SessionClosedError        session_closed: reopen needs a higher incarnation
+    ├── ResourceExhaustedError        resource_exhausted (retryable): a capacity limit
+    ├── InputBackpressureError        input_backpressure (retryable): too much pending input
+    └── InvalidInputError             a client or wire input that failed validation
+        ├── UnsupportedModeError      unsupported_mode (also a ValueError, "not supported")
+        └── WireDecodeError           invalid_wire_event: bytes from Redis that do not decode
+
+Third-party exceptions are translated where they enter duplexq
+(``raise WireDecodeError(...) from exc``), so callers only catch these.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes; clients match on these strings, so never rename one."""
+
+    FENCE_MISMATCH = "fence_mismatch"
+    SESSION_EXISTS = "session_exists"
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_CLOSED = "session_closed"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    INPUT_BACKPRESSURE = "input_backpressure"
+    INVALID_INPUT = "invalid_input"
+    UNSUPPORTED_MODE = "unsupported_mode"
+    INVALID_WIRE_EVENT = "invalid_wire_event"
+
+
+class DuplexqError(Exception):
+    """Base of every duplexq error; ``code`` is what the client sees."""
+
+    code: ErrorCode = ErrorCode.INVALID_INPUT
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class FenceMismatchError(DuplexqError):
+    """A fence regressed against the session's current one.
+
+    ``reason`` is one of the short words of ``coordinator.sessions.MismatchReason``
+    so drop counters can be keyed by it.
+    """
+
+    code = ErrorCode.FENCE_MISMATCH
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"fence mismatch ({reason}): {detail}")
+        self.reason = reason
+
+
+class SessionError(DuplexqError):
+    """A session lifecycle call that does not fit the session's state."""
+
+
+class SessionExistsError(SessionError):
+    code = ErrorCode.SESSION_EXISTS
+
+
+class SessionNotFoundError(SessionError):
+    code = ErrorCode.SESSION_NOT_FOUND
+
+
+class SessionClosedError(SessionError):
+    code = ErrorCode.SESSION_CLOSED
+
+
+class ResourceExhaustedError(DuplexqError):
+    """A capacity limit was hit; the same call may succeed later."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class InputBackpressureError(DuplexqError):
+    code = ErrorCode.INPUT_BACKPRESSURE
+    retryable = True
+
+
+class InvalidInputError(DuplexqError):
+    code = ErrorCode.INVALID_INPUT
+
+
+class UnsupportedModeError(InvalidInputError, ValueError):
+    code = ErrorCode.UNSUPPORTED_MODE
+
+
+class WireDecodeError(InvalidInputError, ValueError):
+    code = ErrorCode.INVALID_WIRE_EVENT

@@ -1,0 +1,197 @@
+"""Events that cross Redis, and their wire codec.
+
+Three event types travel on the streams:
+
+- ``InputEvent``: one accepted client input, stamped by the coordinator with
+  the fence it was accepted under, the session-wide ``seq`` (1, 2, 3 ...) and
+  the turn-local ``turn_seq``. The session log is a list of these.
+- ``OutputEvent``: something a stage produced, stamped with the fence it was
+  produced under, the producing stage and what kind of output it is.
+- ``ControlEvent``: session lifecycle (open, cancel, close) that must reach
+  workers ahead of queued data.
+
+Encoding is msgpack through msgspec: compact, binary-safe for audio, and
+decoding validates every field against these types. Nothing is pickled and no
+type named on the wire is ever imported.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, TypeAlias, TypeVar
+
+import msgspec
+
+from schemas.errors import WireDecodeError
+from schemas.fence import Fence
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+MetaValue: TypeAlias = str | int | float | bool
+
+
+class InputMode(StrEnum):
+    """How an input event changes the model's context."""
+
+    APPEND_TOKENS = "append_tokens"
+    APPEND_TEXT = "append_text"
+    APPEND_AUDIO_CHUNK = "append_audio_chunk"
+    APPEND_VIDEO_FRAME = "append_video_frame"
+    APPEND_UNIT = "append_unit"
+    """One duplex unit: an audio chunk and/or video frames that belong together."""
+    TURN_COMMIT_ONLY = "turn_commit_only"
+    """Ends the user's turn without adding content (the model may now respond)."""
+
+
+class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
+    token_ids: tuple[NonNegative, ...]
+
+
+class TextPayload(msgspec.Struct, frozen=True, tag="text"):
+    text: str
+
+
+class AudioPayload(msgspec.Struct, frozen=True, tag="audio"):
+    """Raw audio samples; ``format`` names the sample encoding (``pcm_f32le``, ``pcm_s16le``)."""
+
+    data: bytes
+    format: str = "pcm_f32le"
+    sample_rate: Positive = 16000
+
+
+class VideoPayload(msgspec.Struct, frozen=True, tag="video"):
+    """Encoded frames (JPEG/PNG/...); two frames are a stacked pair (base + one)."""
+
+    frames: tuple[bytes, ...]
+    codec: str = "jpeg"
+    pts_ms: NonNegative = 0
+    duration_ms: NonNegative = 0
+
+
+class UnitPayload(msgspec.Struct, frozen=True, tag="unit"):
+    audio: AudioPayload | None = None
+    video: VideoPayload | None = None
+
+
+class CommitPayload(msgspec.Struct, frozen=True, tag="commit"):
+    pass
+
+
+Payload: TypeAlias = (
+    TokensPayload | TextPayload | AudioPayload | VideoPayload | UnitPayload | CommitPayload
+)
+
+PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
+    InputMode.APPEND_TOKENS: TokensPayload,
+    InputMode.APPEND_TEXT: TextPayload,
+    InputMode.APPEND_AUDIO_CHUNK: AudioPayload,
+    InputMode.APPEND_VIDEO_FRAME: VideoPayload,
+    InputMode.APPEND_UNIT: UnitPayload,
+    InputMode.TURN_COMMIT_ONLY: CommitPayload,
+}
+
+
+class InputEvent(msgspec.Struct, frozen=True, tag="in", tag_field="t"):
+    """One accepted input, as recorded in the session log."""
+
+    fence: Fence
+    seq: Positive
+    turn_seq: Positive
+    mode: InputMode
+    payload: Payload
+    ts_ms: NonNegative = 0
+    """Coordinator wall clock when accepted; replay at recorded pace uses it."""
+
+    def __post_init__(self) -> None:
+        expected = PAYLOAD_FOR_MODE[self.mode]
+        if type(self.payload) is not expected:
+            raise ValueError(
+                f"mode {self.mode.value} carries a {expected.__name__}, "
+                f"not a {type(self.payload).__name__}"
+            )
+
+
+class OutputKind(StrEnum):
+    TEXT_DELTA = "text_delta"
+    AUDIO_DELTA = "audio_delta"
+    TRANSCRIPT = "transcript"
+    LISTEN = "listen"
+    SPEAK = "speak"
+    SPEECH_STARTED = "speech_started"
+    SPEECH_STOPPED = "speech_stopped"
+    DONE = "done"
+    ERROR = "error"
+
+
+class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):
+    """One output of a stage, stamped with the fence it was produced under."""
+
+    fence: Fence
+    stage: str
+    kind: OutputKind
+    seq: Positive
+    """Per (session, stage, incarnation) output counter; consumers dedupe on it."""
+    source_seq: NonNegative = 0
+    """Highest input ``seq`` the producer had applied when it produced this."""
+    text: str = ""
+    data: bytes = b""
+    token_ids: tuple[NonNegative, ...] = ()
+    meta: dict[str, MetaValue] = {}
+    ts_ms: NonNegative = 0
+
+
+class ControlKind(StrEnum):
+    OPEN = "open"
+    CANCEL = "cancel"
+    CLOSE = "close"
+
+
+class ControlEvent(msgspec.Struct, frozen=True, tag="ctl", tag_field="t"):
+    """Session lifecycle; ``fence`` is the session's fence once the control applies."""
+
+    kind: ControlKind
+    fence: Fence
+    cancelled: Fence | None = None
+    """For CANCEL: the fence whose work is released."""
+    reason: str = ""
+    ts_ms: NonNegative = 0
+
+
+WireEvent: TypeAlias = InputEvent | OutputEvent | ControlEvent
+
+_encoder = msgspec.msgpack.Encoder()
+_any_decoder: msgspec.msgpack.Decoder[WireEvent] = msgspec.msgpack.Decoder(WireEvent)
+_input_decoder = msgspec.msgpack.Decoder(InputEvent)
+_output_decoder = msgspec.msgpack.Decoder(OutputEvent)
+_control_decoder = msgspec.msgpack.Decoder(ControlEvent)
+
+
+def encode_event(event: WireEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+_T = TypeVar("_T")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], raw: bytes) -> _T:
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireDecodeError(f"undecodable wire event: {exc}") from exc
+
+
+def decode_event(raw: bytes) -> WireEvent:
+    """Decode and validate any wire event; raises WireDecodeError on bad bytes."""
+    return _decode(_any_decoder, raw)
+
+
+def decode_input(raw: bytes) -> InputEvent:
+    return _decode(_input_decoder, raw)
+
+
+def decode_output(raw: bytes) -> OutputEvent:
+    return _decode(_output_decoder, raw)
+
+
+def decode_control(raw: bytes) -> ControlEvent:
+    return _decode(_control_decoder, raw)
