@@ -144,6 +144,8 @@ class ControlKind(StrEnum):
     OPEN = "open"
     CANCEL = "cancel"
     CLOSE = "close"
+    FAILOVER = "failover"
+    """A stage of the session moved to another worker; the incarnation grew."""
 
 
 class ControlEvent(msgspec.Struct, frozen=True, tag="ctl", tag_field="t"):

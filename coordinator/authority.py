@@ -1,0 +1,212 @@
+"""The session authority on Redis: open, append, accept, cancel, close.
+
+A thin shell over the Lua in ``coordinator.scripts``: it builds key lists,
+encodes what the scripts embed, and turns status words into typed results or
+the errors of ``schemas.errors``. Any number of coordinator processes can use
+it on the same session at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import msgspec
+
+from coordinator.bus import RedisBus
+from coordinator.sessions import ALL_MODES
+from schemas.config import PipelineConfig
+from schemas.errors import (
+    FenceMismatchError,
+    SessionClosedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    UnsupportedModeError,
+)
+from schemas.events import PAYLOAD_FOR_MODE, InputMode, Payload
+from schemas.fence import Fence, require_fence
+
+_tail_encoder = msgspec.msgpack.Encoder()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class AppendReceipt(NamedTuple):
+    """Where an accepted input landed: its counters, fence and log entry id."""
+
+    seq: int
+    turn_seq: int
+    turn_id: int
+    fence: Fence
+    entry_id: str
+
+
+class CancelResult(NamedTuple):
+    cancelled: Fence
+    fence: Fence
+    applied: bool
+    """False when the epoch had already moved past the one asked to cancel."""
+
+
+def encode_tail(mode: InputMode, payload: Payload, ts_ms: int) -> bytes:
+    """The msgpack map entries (without the map header) for mode, payload and ts_ms."""
+    raw = _tail_encoder.encode({"mode": mode.value, "payload": payload, "ts_ms": ts_ms})
+    return raw[1:]  # drop the fixmap header; the script writes a header for 7 entries
+
+
+def _fence(session_id: str, reply: list[Any], start: int) -> Fence:
+    inc, epoch, turn, resp = (int(v) for v in reply[start : start + 4])
+    return Fence(session_id, inc, epoch, turn, resp)
+
+
+class SessionAuthority:
+    """Fence authority for the sessions of one pipeline, backed by Redis."""
+
+    def __init__(self, bus: RedisBus, pipeline: PipelineConfig) -> None:
+        self.bus = bus
+        self.pipeline = pipeline
+
+    def script_keys(self, session_id: str) -> list[str]:
+        """KEYS for the lifecycle scripts: meta in ctl out prog, then (stage out, lease)*."""
+        sk = self.bus.keys.session(session_id)
+        keys = [sk.meta, sk.input, sk.control, sk.client, sk.progress]
+        for name in self.pipeline.stage_names:
+            keys += [sk.stage_out(name), sk.lease(name)]
+        return keys
+
+    def _raise(self, session_id: str, reply: list[Any]) -> None:
+        status = reply[0]
+        if status == "missing":
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        if status == "closed":
+            raise SessionClosedError(f"session {session_id!r} is closed")
+        if status == "exists":
+            raise SessionExistsError(f"session {session_id!r} is already open")
+        if status == "unsupported":
+            raise UnsupportedModeError(f"input mode is not supported by session {session_id!r}")
+        if status == "mismatch":
+            raise FenceMismatchError(str(reply[1]), f"session {session_id!r}: {reply[2:]}")
+        raise RuntimeError(f"unexpected authority reply {reply!r}")
+
+    async def open(
+        self,
+        session_id: str,
+        capabilities: Iterable[InputMode] | None = None,
+        *,
+        incarnation: int | None = None,
+    ) -> Fence:
+        """Open (or reopen at a higher incarnation) and index the session."""
+        Fence(session_id)  # validates the id
+        caps = frozenset(capabilities) if capabilities is not None else ALL_MODES
+        caps_text = "" if caps == ALL_MODES else " ".join(sorted(m.value for m in caps))
+        ts = now_ms()
+        await self.bus.client.zadd(self.bus.keys.sessions, {session_id: ts})
+        reply = await self.bus.run(
+            self.bus.open_script,
+            self.script_keys(session_id),
+            [session_id, caps_text, ts, -1 if incarnation is None else incarnation],
+        )
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        for stage in self.pipeline.stage_names:
+            await self.bus.client.xadd(
+                self.bus.keys.assign(stage), {"sid": session_id, "why": "open"}
+            )
+        return Fence(session_id, int(reply[1]))
+
+    async def append(
+        self,
+        session_id: str,
+        mode: InputMode | str,
+        payload: Payload,
+        *,
+        fence: Fence | None = None,
+        ts_ms: int | None = None,
+    ) -> AppendReceipt:
+        """Append one input to the session log under ``fence`` (or the current fence)."""
+        try:
+            checked = InputMode(mode)
+        except ValueError as exc:
+            raise UnsupportedModeError(f"input mode {mode!r} is not supported") from exc
+        if type(payload) is not PAYLOAD_FOR_MODE[checked]:
+            raise TypeError(f"mode {checked.value} needs a {PAYLOAD_FOR_MODE[checked].__name__}")
+        given = ["0", 0, 0, 0, 0]
+        if fence is not None:
+            fence = require_fence(fence)
+            if fence.session_id != session_id:
+                raise FenceMismatchError("session", f"{fence} is not session {session_id!r}")
+            given = ["1", fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
+        sk = self.bus.keys.session(session_id)
+        tail = encode_tail(checked, payload, now_ms() if ts_ms is None else ts_ms)
+        reply = await self.bus.run(
+            self.bus.append_script,
+            [sk.meta, sk.input],
+            [session_id, checked.value, tail, *given],
+        )
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        return AppendReceipt(
+            int(reply[1]), int(reply[2]), int(reply[5]), _fence(session_id, reply, 3), reply[7]
+        )
+
+    async def accept(self, fence: Fence) -> Fence:
+        """Move the session's fence forward to ``fence`` (turn or response advance)."""
+        fence = require_fence(fence)
+        sk = self.bus.keys.session(fence.session_id)
+        args = [fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
+        reply = await self.bus.run(self.bus.accept_script, [sk.meta], args)
+        if reply[0] != "ok":
+            self._raise(fence.session_id, reply)
+        return fence
+
+    async def cancel(
+        self, session_id: str, *, expect_epoch: int | None = None, reason: str = "cancel"
+    ) -> CancelResult:
+        """Interrupt: bump the epoch and put the cancel ahead of queued data."""
+        reply = await self.bus.run(
+            self.bus.cancel_script,
+            self.script_keys(session_id),
+            [session_id, reason, now_ms(), -1 if expect_epoch is None else expect_epoch],
+        )
+        if reply[0] == "already":
+            current = _fence(session_id, reply, 1)
+            return CancelResult(current, current, applied=False)
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        fence = _fence(session_id, reply, 1)
+        return CancelResult(fence.replace(epoch=fence.epoch - 1), fence, applied=True)
+
+    async def close(
+        self,
+        session_id: str,
+        *,
+        expect_incarnation: int | None = None,
+        reason: str = "closed",
+        ttl_s: int = 3600,
+    ) -> Fence:
+        """Close the session; its keys expire after ``ttl_s``."""
+        expect = -1 if expect_incarnation is None else expect_incarnation
+        reply = await self.bus.run(
+            self.bus.close_script,
+            self.script_keys(session_id),
+            [session_id, reason, now_ms(), expect, ttl_s],
+        )
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        await self.bus.client.zrem(self.bus.keys.sessions, session_id)
+        return _fence(session_id, reply, 1)
+
+    async def current(self, session_id: str) -> Fence:
+        """The session's current fence as Redis has it."""
+        sk = self.bus.keys.session(session_id)
+        raw = await self.bus.hmget(sk.meta, ["status", "inc", "epoch", "turn", "resp"])
+        if raw[0] is None:
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        return Fence(session_id, *(int(v or 0) for v in raw[1:]))
+
+    async def status(self, session_id: str) -> dict[str, str]:
+        """The session's authority hash, decoded (for inspection tools)."""
+        return await self.bus.hgetall(self.bus.keys.session(session_id).meta)

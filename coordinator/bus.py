@@ -1,0 +1,190 @@
+"""The Redis adapter: every Redis Streams detail lives behind this module.
+
+Connections, retries, script loading, consumer groups, claiming, trimming and
+the shapes of Redis replies are handled here; the rest of duplexq sees plain
+``Entry`` tuples and typed results.
+
+Connections. ``RedisBus.client`` is a pool for short commands. Each blocking
+reader gets its own single-connection client (``RedisBus.reader()``) whose
+socket timeout exceeds its block time: a blocking XREAD(GROUP) must not be
+cut by the socket timeout, and a cancelled blocking read can leave its
+connection out of step, so readers are never shared and loops let BLOCK
+expire instead of cancelling reads.
+
+Retries. Connection errors are retried with backoff (a Redis restart is a
+pause, not a crash). A retried write may run twice: every script that writes
+is idempotent on its arguments or its effects are deduplicated downstream by
+fence and ``seq``, never by stream id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, NamedTuple, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from coordinator import scripts
+from schemas.keys import Keys
+
+
+class Entry(NamedTuple):
+    """One stream entry: its id and raw fields (trimmed pending entries have none)."""
+
+    stream: str
+    id: str
+    fields: dict[bytes, bytes]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_read_reply(reply: Any) -> list[Entry]:
+    """Flatten an XREAD/XREADGROUP reply (RESP2: ``[[stream, [(id, fields)]]]``)."""
+    entries: list[Entry] = []
+    for stream, messages in reply or ():
+        name = _text(stream)
+        for entry_id, fields in messages:
+            entries.append(Entry(name, _text(entry_id), dict(fields or {})))
+    return entries
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=60)
+
+
+_RETRY_ON = [RedisConnectionError, RedisTimeoutError, ConnectionResetError, OSError]
+
+
+class RedisBus:
+    """Redis connections, Lua scripts and stream operations for one deployment."""
+
+    def __init__(self, url: str, keys: Keys | None = None, *, command_timeout: float = 5.0):
+        self.url = url
+        self.keys = keys or Keys()
+        self._command_timeout = command_timeout
+        self.client: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=command_timeout,
+            socket_connect_timeout=command_timeout,
+            retry=_retry(),
+            retry_on_error=list(_RETRY_ON),
+            health_check_interval=30,
+        )
+        self._readers: list[aioredis.Redis] = []
+        self.open_script = self._register(scripts.OPEN)
+        self.append_script = self._register(scripts.APPEND)
+        self.accept_script = self._register(scripts.ACCEPT)
+        self.cancel_script = self._register(scripts.CANCEL)
+        self.close_script = self._register(scripts.CLOSE)
+        self.acquire_script = self._register(scripts.ACQUIRE)
+        self.renew_script = self._register(scripts.RENEW)
+        self.release_script = self._register(scripts.RELEASE)
+        self.publish_script = self._register(scripts.PUBLISH)
+
+    def _register(self, body: str) -> Any:
+        return self.client.register_script(scripts.PRELUDE + body)
+
+    def reader(self, block_ms: int) -> aioredis.Redis:
+        """A dedicated connection for blocking reads of up to ``block_ms``."""
+        conn: aioredis.Redis = aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=block_ms / 1000 + self._command_timeout,
+            socket_connect_timeout=self._command_timeout,
+            retry=_retry(),
+            retry_on_error=list(_RETRY_ON),
+            single_connection_client=True,
+        )
+        self._readers.append(conn)
+        return conn
+
+    async def aclose(self) -> None:
+        for conn in self._readers:
+            await conn.aclose()
+        self._readers.clear()
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.client.ping())
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            return False
+
+    async def run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """Run a registered script; replies are normalized to str/int lists."""
+        reply = await script(keys=list(keys), args=list(args))
+        if isinstance(reply, list):
+            return [_text(item) if isinstance(item, bytes) else item for item in reply]
+        return [reply]
+
+    async def xread(
+        self, conn: aioredis.Redis, streams: Mapping[str, str], count: int, block_ms: int | None
+    ) -> list[Entry]:
+        if not streams:
+            return []
+        request: dict[Any, Any] = dict(streams)
+        reply = await conn.xread(request, count=count, block=block_ms)
+        return parse_read_reply(reply)
+
+    async def xrange(
+        self, stream: str, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[Entry]:
+        reply = await self.client.xrange(stream, min=start, max=end, count=count)
+        return [Entry(stream, _text(entry_id), dict(fields or {})) for entry_id, fields in reply]
+
+    async def ensure_group(self, stream: str, group: str) -> None:
+        """Create ``group`` on ``stream`` (and the stream) unless it exists."""
+        try:
+            await self.client.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def xreadgroup(
+        self,
+        conn: aioredis.Redis,
+        group: str,
+        consumer: str,
+        stream: str,
+        count: int,
+        block_ms: int | None,
+    ) -> list[Entry]:
+        reply = await conn.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        return parse_read_reply(reply)
+
+    async def xautoclaim(
+        self, stream: str, group: str, consumer: str, min_idle_ms: int, count: int
+    ) -> list[Entry]:
+        """Claim entries another consumer read but did not ack for ``min_idle_ms``."""
+        reply = await self.client.xautoclaim(
+            stream, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+        )
+        messages = reply[1] if len(reply) > 1 else []
+        return [
+            Entry(stream, _text(entry_id), dict(fields or {}))
+            for entry_id, fields in messages
+            if entry_id is not None
+        ]
+
+    async def xack(self, stream: str, group: str, *ids: str) -> int:
+        if not ids:
+            return 0
+        return int(await self.client.xack(stream, group, *ids))
+
+    async def trim_before(self, stream: str, min_id: str) -> int:
+        """Drop entries older than ``min_id`` (XTRIM MINID, exact)."""
+        return int(await self.client.xtrim(stream, minid=min_id, approximate=False))
+
+    async def hmget(self, key: str, fields: Sequence[str]) -> list[bytes | None]:
+        reply = self.client.hmget(key, list(fields))
+        return list(await cast(Awaitable[list[bytes | None]], reply))
+
+    async def hgetall(self, key: str) -> dict[str, str]:
+        reply = await cast(Awaitable[dict[bytes, bytes]], self.client.hgetall(key))
+        return {k.decode(): v.decode() for k, v in reply.items()}

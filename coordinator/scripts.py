@@ -1,0 +1,243 @@
+"""Server-side Lua: the only code that changes a session's fence or a lease.
+
+Each script touches the keys of one session (one hash tag, one cluster slot)
+and runs atomically, so any coordinator or worker can serve any session and
+two of them can never hand out the same ``seq``, move an epoch backwards, or
+both own a (session, stage). The fence rule here is the one in
+``coordinator.sessions`` (the Python core); ``tests/test_authority.py`` runs
+the same table against both.
+
+Events are written as msgpack built in Lua with ``cmsgpack`` plus bytes the
+caller encoded with msgspec, so what lands in a stream decodes with
+``schemas.events`` like any other event.
+
+Stage keys come last in KEYS as (stage output stream, stage lease) pairs.
+Replies are arrays whose first element is a status word.
+"""
+
+from __future__ import annotations
+
+PRELUDE = r"""
+local function pack_fence(sid, inc, ep, tu, rs)
+  return cmsgpack.pack({sid, inc, ep, tu, rs})
+end
+
+-- A ControlEvent: a msgpack map of six entries (see schemas.events).
+local function pack_control(kind, fence, cancelled, reason, now)
+  return string.char(0x86)
+    .. cmsgpack.pack('t') .. cmsgpack.pack('ctl')
+    .. cmsgpack.pack('kind') .. cmsgpack.pack(kind)
+    .. cmsgpack.pack('fence') .. fence
+    .. cmsgpack.pack('cancelled') .. (cancelled or string.char(0xc0))
+    .. cmsgpack.pack('reason') .. cmsgpack.pack(reason)
+    .. cmsgpack.pack('ts_ms') .. cmsgpack.pack(now)
+end
+
+-- The fence rule; returns the mismatch reason or false.
+local function mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
+  if inc ~= cinc then return 'incarnation' end
+  if ep ~= cep then
+    if ep < cep then return 'epoch' end
+    return false
+  end
+  if tu < ctu then return 'turn' end
+  if rs < crs then return 'response' end
+  return false
+end
+
+local function holds(lease_value, token)
+  return lease_value and string.find(' ' .. lease_value .. ' ', ' ' .. token .. ' ', 1, true)
+end
+
+-- Append a fence barrier to the client journal and every stage stream.
+-- Streams are trimmed only by the control plane, which knows what is still unread.
+local function barrier(first_stage_key, control)
+  redis.call('XADD', KEYS[4], '*', 'c', control)
+  for i = first_stage_key, #KEYS, 2 do
+    redis.call('XADD', KEYS[i], '*', 'c', control)
+  end
+end
+"""
+
+# KEYS: meta in ctl out prog (stage_out lease)*
+# ARGV: sid caps now_ms requested_inc(-1: next free)
+OPEN = r"""
+local status, oldinc = unpack(redis.call('HMGET', KEYS[1], 'status', 'inc'))
+local inc = tonumber(ARGV[4])
+if status == 'open' then return {'exists', tonumber(oldinc)} end
+if status then
+  oldinc = tonumber(oldinc)
+  if inc < 0 then inc = oldinc + 1 end
+  if inc <= oldinc then return {'mismatch', 'incarnation', oldinc} end
+  for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+elseif inc < 0 then
+  inc = 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'status', 'open', 'inc', inc, 'epoch', 0, 'turn', 0, 'resp', 0,
+  'seq', 0, 'tseq', 0, 'tkey', '', 'oseq', 0, 'caps', ARGV[2], 'opened_ms', ARGV[3])
+local fence = pack_fence(ARGV[1], inc, 0, 0, 0)
+redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonumber(ARGV[3])))
+return {'ok', inc}
+"""
+
+# KEYS: meta in
+# ARGV: sid mode tail given(0|1) inc ep tu rs
+# ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
+APPEND = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
+  'tkey', 'caps')
+if not m[1] then return {'missing'} end
+if m[1] ~= 'open' then return {'closed'} end
+local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
+local inc, ep, tu, rs = cinc, cep, ctu, crs
+if ARGV[4] == '1' then
+  inc, ep, tu, rs = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local why = mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
+  if why then return {'mismatch', why, cinc, cep, ctu, crs} end
+end
+if m[9] ~= '' and not string.find(' ' .. m[9] .. ' ', ' ' .. ARGV[2] .. ' ', 1, true) then
+  return {'unsupported'}
+end
+local seq = tonumber(m[6]) + 1
+local tkey = ep .. ':' .. tu
+local tseq = 1
+if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
+redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
+  'tkey', tkey)
+local event = string.char(0x87)
+  .. cmsgpack.pack('t') .. cmsgpack.pack('in')
+  .. cmsgpack.pack('fence') .. pack_fence(ARGV[1], inc, ep, tu, rs)
+  .. cmsgpack.pack('seq') .. cmsgpack.pack(seq)
+  .. cmsgpack.pack('turn_seq') .. cmsgpack.pack(tseq)
+  .. ARGV[3]
+local id = redis.call('XADD', KEYS[2], '*', 'e', event)
+return {'ok', seq, tseq, inc, ep, tu, rs, id}
+"""
+
+# KEYS: meta
+# ARGV: inc ep tu rs   (move the fence forward without an input)
+ACCEPT = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if not m[1] then return {'missing'} end
+if m[1] ~= 'open' then return {'closed'} end
+local why = mismatch(tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5]),
+  tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+if why then return {'mismatch', why, m[2], m[3], m[4], m[5]} end
+redis.call('HSET', KEYS[1], 'epoch', ARGV[2], 'turn', ARGV[3], 'resp', ARGV[4])
+return {'ok'}
+"""
+
+# KEYS: meta in ctl out prog (stage_out lease)*
+# ARGV: sid reason now_ms expect_epoch(-1: any)
+CANCEL = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if not m[1] then return {'missing'} end
+if m[1] ~= 'open' then return {'closed'} end
+local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
+local expect = tonumber(ARGV[4])
+if expect >= 0 and expect < ep then return {'already', inc, ep, tu, rs} end
+redis.call('HSET', KEYS[1], 'epoch', ep + 1)
+local control = pack_control('cancel', pack_fence(ARGV[1], inc, ep + 1, tu, rs),
+  pack_fence(ARGV[1], inc, ep, tu, rs), ARGV[2], tonumber(ARGV[3]))
+redis.call('XADD', KEYS[3], '*', 'c', control)
+barrier(6, control)
+return {'ok', inc, ep + 1, tu, rs}
+"""
+
+# KEYS: meta in ctl out prog (stage_out lease)*
+# ARGV: sid reason now_ms expect_inc(-1: any) ttl_s
+CLOSE = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if not m[1] then return {'missing'} end
+if m[1] ~= 'open' then return {'closed'} end
+local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
+local expect = tonumber(ARGV[4])
+if expect >= 0 and expect ~= inc then return {'mismatch', 'incarnation', inc, ep, tu, rs} end
+redis.call('HSET', KEYS[1], 'status', 'closed', 'closed_ms', ARGV[3])
+local control = pack_control('close', pack_fence(ARGV[1], inc, ep, tu, rs), nil, ARGV[2],
+  tonumber(ARGV[3]))
+redis.call('XADD', KEYS[3], '*', 'c', control)
+barrier(6, control)
+for i = 1, #KEYS do
+  if i < 6 or i % 2 == 0 then redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+end
+return {'ok', inc, ep, tu, rs}
+"""
+
+# KEYS: meta in ctl out prog (stage_out lease)*  -- the stage's own pair is KEYS[6], KEYS[7]
+# ARGV: sid stage worker token ttl_ms now_ms
+ACQUIRE = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if m[1] ~= 'open' then return {'closed'} end
+local holder = redis.call('GET', KEYS[7])
+if holder then return {'held', holder} end
+local stage = ARGV[2]
+local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
+local owners = tonumber(redis.call('HGET', KEYS[5], stage .. ':owners') or '0')
+local failover = 0
+if owners > 0 then
+  failover = 1
+  redis.call('HSET', KEYS[1], 'inc', inc + 1)
+  local control = pack_control('failover', pack_fence(ARGV[1], inc + 1, ep, tu, rs),
+    pack_fence(ARGV[1], inc, ep, tu, rs), stage, tonumber(ARGV[6]))
+  redis.call('XADD', KEYS[3], '*', 'c', control)
+  barrier(6, control)
+  inc = inc + 1
+end
+redis.call('SET', KEYS[7], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5])
+redis.call('HINCRBY', KEYS[5], stage .. ':owners', 1)
+local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
+return {'ok', inc, ep, tu, rs, failover, tonumber(p[1] or '0'), p[2] or '0-0',
+  tonumber(p[3] or '0')}
+"""
+
+# KEYS: lease     ARGV: token ttl_ms
+RENEW = r"""
+if holds(redis.call('GET', KEYS[1]), ARGV[1]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: lease     ARGV: token
+RELEASE = r"""
+if holds(redis.call('GET', KEYS[1]), ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS: meta lease prog stage_out client_out
+# ARGV: stage token inc ep tu rs applied read_id oseq_last to_client e1 .. en
+# With no events the call only records progress (an input applied with no output,
+# or whose outputs went stale): the lease is checked, the fence is not.
+PUBLISH = r"""
+if not holds(redis.call('GET', KEYS[2]), ARGV[2]) then return {'lost'} end
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if m[1] ~= 'open' then return {'closed'} end
+local n = #ARGV - 10
+if n > 0 then
+  local why = mismatch(tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5]),
+    tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+  if why then return {'stale', why, tonumber(m[2]), tonumber(m[3]), tonumber(m[4]),
+    tonumber(m[5])} end
+end
+local last_sn = 0
+for i = 11, #ARGV do
+  redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
+  if ARGV[10] == '1' then
+    last_sn = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
+    redis.call('XADD', KEYS[5], '*', 'e', ARGV[i], 'n', last_sn)
+  end
+end
+local stage = ARGV[1]
+local applied = tonumber(ARGV[7])
+if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') then
+  redis.call('HSET', KEYS[3], stage .. ':applied', applied, stage .. ':read', ARGV[8])
+end
+if tonumber(ARGV[9]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV[9]) end
+return {'ok', last_sn}
+"""

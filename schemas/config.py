@@ -1,0 +1,175 @@
+"""Configuration: runtime settings and the pipeline, each loaded from one file.
+
+``Settings`` holds what every process needs (Redis, leases, batching,
+retention); any field can be overridden by an environment variable named
+``DUPLEXQ_<FIELD>`` (upper case). ``PipelineConfig`` names the stages and how
+their outputs feed each other. Both are pydantic models: they come from users,
+so they are validated fully when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SESSION_INPUT = "session"
+"""The ``input`` of a stage that reads the session's input log."""
+
+_STAGE_NAME = r"^[a-z][a-z0-9_]{0,31}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class Settings(_Model):
+    """Process-wide settings shared by coordinators, workers and the control plane."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users."""
+    key_prefix: str = Field("dq", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+    """Prefix of every key; lets several deployments (or tests) share one Redis."""
+    lease_ttl_ms: int = Field(2000, ge=200, le=120_000)
+    """How long a worker's ownership of (session, stage) lasts without a heartbeat."""
+    heartbeat_ms: int = Field(500, ge=50, le=60_000)
+    """How often a worker renews its leases; keep it at most a third of the TTL."""
+    block_ms: int = Field(500, ge=10, le=30_000)
+    """Longest a blocking stream read waits before the loop looks around again."""
+    read_batch: int = Field(64, ge=1, le=10_000)
+    """Most entries one stream read returns; a stage catching up gets batches this big."""
+    worker_capacity: int = Field(64, ge=1, le=100_000)
+    """Most sessions one worker owns at once; it takes no new work when full."""
+    orphan_scan_ms: int = Field(250, ge=20, le=60_000)
+    """How often a worker with spare capacity looks for expired leases to take over."""
+    assign_claim_idle_ms: int = Field(5000, ge=100, le=600_000)
+    """An assignment entry pending this long (its reader died) is claimed by another."""
+    input_retention: int = Field(100_000, ge=100)
+    """Entries kept in a session's input log; never trimmed past unapplied entries."""
+    output_retention: int = Field(100_000, ge=100)
+    """Entries kept in each output stream of a session (the resume journal included)."""
+    closed_ttl_s: int = Field(3600, ge=1, le=30 * 86400)
+    """Seconds a closed session's keys are kept (for replay and late readers)."""
+    max_sessions: int = Field(10_000, ge=1)
+    """Most sessions one coordinator serves at once."""
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> Settings:
+        """A copy with ``DUPLEXQ_<FIELD>`` environment overrides applied and validated."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            raw = env.get(f"DUPLEXQ_{name.upper()}")
+            if raw is not None:
+                changes[name] = raw
+        if not changes:
+            return self
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+
+class StageConfig(_Model):
+    """One stage of the pipeline and where its outputs go."""
+
+    name: str = Field(pattern=_STAGE_NAME)
+    """Stage name; also names its worker pool, streams and leases."""
+    backend: Literal["echo", "vllm", "minicpmo", "mage_vl", "vad", "asr", "tts"] = "echo"
+    """What does the work. ``echo`` is deterministic and for tests and benchmarks only."""
+    input: str = SESSION_INPUT
+    """``session`` to read the session's input log, or the name of an upstream stage."""
+    to_client: bool = False
+    """Whether this stage's outputs are journaled for the client."""
+    capacity: int | None = Field(None, ge=1, le=100_000)
+    """Sessions one worker of this stage owns at once (default: Settings.worker_capacity)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Backend options (model, engine arguments, voice, ...), checked by the backend."""
+
+
+class PipelineConfig(_Model):
+    """The stages of a pipeline, e.g. ``vad -> asr -> thinker -> tts -> client``."""
+
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Pipeline name, shown in logs and replay reports."""
+    stages: tuple[StageConfig, ...] = Field(min_length=1, max_length=32)
+    """The stages; each reads the session log or one upstream stage."""
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> Self:
+        names = [stage.name for stage in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        if SESSION_INPUT in names:
+            raise ValueError(f"{SESSION_INPUT!r} is reserved and cannot name a stage")
+        known = set(names)
+        for stage in self.stages:
+            if stage.input != SESSION_INPUT and stage.input not in known:
+                raise ValueError(f"stage {stage.name!r} reads unknown stage {stage.input!r}")
+            if stage.input == stage.name:
+                raise ValueError(f"stage {stage.name!r} cannot read its own outputs")
+        for stage in self.stages:
+            self._check_reaches_session(stage)
+        if not any(stage.to_client for stage in self.stages):
+            raise ValueError("at least one stage must send its outputs to the client")
+        return self
+
+    def _check_reaches_session(self, stage: StageConfig) -> None:
+        seen: set[str] = set()
+        current = stage
+        while current.input != SESSION_INPUT:
+            if current.name in seen:
+                raise ValueError(f"stages form a cycle through {current.name!r}")
+            seen.add(current.name)
+            current = self.stage(current.input)
+
+    def stage(self, name: str) -> StageConfig:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage named {name!r} in pipeline {self.name!r}")
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(stage.name for stage in self.stages)
+
+    def downstream(self, name: str) -> tuple[str, ...]:
+        """Stages that read ``name``'s outputs."""
+        return tuple(stage.name for stage in self.stages if stage.input == name)
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON file into a mapping (by extension)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    elif path.suffix == ".toml":
+        data = tomllib.loads(text)
+    else:
+        raise ValueError(f"config {path} must be .toml or .json")
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path} must hold a table at the top level")
+    return data
+
+
+def load_pipeline(path: str | Path) -> PipelineConfig:
+    return PipelineConfig.model_validate(load_mapping(path))
+
+
+def echo_pipeline(*names: str) -> PipelineConfig:
+    """A chain of echo stages (``a -> b -> client``), for tests and benchmarks."""
+    chain = names or ("echo",)
+    if not all(re.match(_STAGE_NAME, name) for name in chain):
+        raise ValueError(f"bad stage names {chain}")
+    stages = [
+        StageConfig(
+            name=name,
+            input=SESSION_INPUT if i == 0 else chain[i - 1],
+            to_client=i == len(chain) - 1,
+        )
+        for i, name in enumerate(chain)
+    ]
+    return PipelineConfig(name="echo", stages=tuple(stages))

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.redis_server import RedisServer
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the test session; tests isolate by key prefix."""
+    server = RedisServer(Path(tmp_path_factory.mktemp("redis")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    return f"t{next(_prefixes)}"
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
