@@ -188,3 +188,6 @@ class RedisBus:
     async def hgetall(self, key: str) -> dict[str, str]:
         reply = await cast(Awaitable[dict[bytes, bytes]], self.client.hgetall(key))
         return {k.decode(): v.decode() for k, v in reply.items()}
+
+    async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
+        return int(await cast(Awaitable[int], self.client.hincrby(key, field, amount)))

@@ -299,3 +299,56 @@ class SessionManager:
         while len(self._closed) > self._closed_memory:
             self._closed.popitem(last=False)
         return list(dict.fromkeys(released))
+
+
+class FenceView:
+    """A consumer's view of one session's fence while it reads a stream in order.
+
+    Outputs are judged against the newest fence the consumer knows of, with one
+    refinement: a failover's incarnation counts only from the failover's
+    barrier in the stream onwards. Outputs the old owner published before the
+    barrier were accepted (the user may already be hearing them), so they are
+    delivered; anything of the old incarnation after the barrier is a zombie's.
+
+    - ``observe(fence)``: an in-band barrier (cancel, failover, open) read from
+      the stream; the view moves to it.
+    - ``advance(fence)``: out-of-band news (this process just cancelled, or
+      re-read the authority); epochs move at once, incarnations wait for
+      their barrier.
+    - ``judge(fence)``: the reason to drop an output, or None to deliver it
+      (which also moves the view forward to it).
+    """
+
+    __slots__ = ("_epoch_floor", "current")
+
+    def __init__(self, current: Fence) -> None:
+        self.current = current
+        self._epoch_floor = current.epoch
+
+    def observe(self, fence: Fence) -> None:
+        if fence.session_id != self.current.session_id:
+            return
+        if fence.incarnation > self.current.incarnation or (
+            fence.incarnation == self.current.incarnation
+            and fence_mismatch(self.current, fence) is None
+        ):
+            self.current = fence
+        self._epoch_floor = max(self._epoch_floor, fence.epoch)
+
+    def advance(self, fence: Fence) -> None:
+        if fence.session_id != self.current.session_id:
+            return
+        self._epoch_floor = max(self._epoch_floor, fence.epoch)
+        if (
+            fence.incarnation == self.current.incarnation
+            and fence_mismatch(self.current, fence) is None
+        ):
+            self.current = fence
+
+    def judge(self, fence: Fence) -> MismatchReason | None:
+        reason = fence_mismatch(self.current, fence)
+        if reason is None and fence.epoch < self._epoch_floor:
+            reason = MismatchReason.EPOCH
+        if reason is None:
+            self.current = fence
+        return reason

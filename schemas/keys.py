@@ -22,6 +22,7 @@ dq:{sid}:prog               hash    per-stage progress: applied seq, read positi
 dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
 dq:workers:{stage}          zset    worker id -> last heartbeat (ms)
+dq:wake:{worker}            stream  wakes a worker's blocking reads (capped)
 dq:sessions                 zset    open session ids -> opened at (ms)
 dq:metrics                  hash    counters shared by all processes
 ==========================  ======  =============================================
@@ -81,6 +82,10 @@ class Keys:
 
     def workers(self, stage: str) -> str:
         return f"{self.prefix}:workers:{stage}"
+
+    def wake(self, worker_id: str) -> str:
+        """A worker's own stream; writing to it ends the worker's blocking reads early."""
+        return f"{self.prefix}:wake:{worker_id}"
 
     @property
     def sessions(self) -> str:

@@ -1,0 +1,53 @@
+"""Helpers for data-plane tests: settings, in-process workers, collecting outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from coordinator.output_reader import Delivery
+from coordinator.service import Coordinator
+from schemas.config import PipelineConfig, Settings
+from schemas.events import OutputEvent
+from workers.runtime import Worker
+
+
+def fast_settings(url: str, prefix: str, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "redis_url": url,
+        "key_prefix": prefix,
+        "lease_ttl_ms": 1000,
+        "heartbeat_ms": 200,
+        "block_ms": 100,
+        "orphan_scan_ms": 100,
+        "assign_claim_idle_ms": 1000,
+    }
+    values.update(overrides)
+    return Settings.model_validate(values)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    settings: Settings, pipeline: PipelineConfig, stage: str, **kwargs: object
+) -> AsyncIterator[Worker]:
+    worker = Worker(settings, pipeline, stage, **kwargs)  # type: ignore[arg-type]
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 20)
+
+
+async def collect(coordinator: Coordinator, count: int, *, timeout: float = 20.0) -> list[Delivery]:
+    """Read deliveries until ``count`` outputs (controls not counted) or timeout."""
+    got: list[Delivery] = []
+    async with asyncio.timeout(timeout):
+        while sum(isinstance(d.event, OutputEvent) for d in got) < count:
+            got.extend(await coordinator.outputs(block_ms=100))
+    return got
+
+
+def outputs_of(deliveries: list[Delivery]) -> list[OutputEvent]:
+    return [d.event for d in deliveries if isinstance(d.event, OutputEvent)]

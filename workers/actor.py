@@ -1,0 +1,342 @@
+"""One session's events for one stage: applied in log order, exactly once.
+
+The actor owns a lease on (session, stage). The worker's data reader hands it
+batches of stream entries in order; the control reader calls ``on_control``
+directly, so a cancel never waits behind queued data.
+
+Per entry the decision is (``decide``, pure):
+
+- a fence barrier (control entry in an upstream stream) moves the view;
+- an event at or below the applied ``seq`` was applied before (a redelivery
+  or a duplicated XADD) and is skipped;
+- an upstream output whose fence regressed is dropped and counted;
+- an input accepted before the current epoch is absorbed: it joins the
+  model's context but nothing answers it;
+- anything else is handled by the backend.
+
+Backend work for one event runs in a producer task that only talks to the
+backend; drafts come back through a queue and are published by the actor
+itself, so cancelling the producer (on a cancel control) never interrupts a
+Redis call. Non-flush drafts of a batch are published together with the
+progress cursor in one atomic step, which is what makes application
+exactly-once: a crash before that step re-delivers the events, after it they
+are skipped by ``seq``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from enum import Enum, auto
+
+import msgspec
+
+from coordinator.bus import Entry
+from coordinator.metrics import DROPPED_STALE, EVENTS_IN, EVENTS_OUT
+from coordinator.sessions import FenceView, fence_mismatch
+from schemas.errors import WireDecodeError
+from schemas.events import (
+    ControlEvent,
+    ControlKind,
+    OutputEvent,
+    OutputKind,
+    decode_control,
+    decode_event,
+)
+from schemas.fence import Fence
+from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
+from workers.ownership import Lease, PublishStatus, StageOwnership
+
+log = logging.getLogger("duplexq.worker")
+
+
+class Step(Enum):
+    BARRIER = auto()
+    SKIP = auto()
+    DROP = auto()
+    ABSORB = auto()
+    HANDLE = auto()
+
+
+class ActorState(Enum):
+    RUNNING = auto()
+    LOST = auto()
+    """The lease moved to another worker; this actor may publish nothing more."""
+    CLOSED = auto()
+    STOPPED = auto()
+
+
+def decide(
+    event: StageEvent | ControlEvent, applied_seq: int, fence: Fence, view: FenceView
+) -> Step:
+    """What to do with one entry of the stage's input (pure but for ``view.judge``)."""
+    if isinstance(event, ControlEvent):
+        return Step.BARRIER
+    if event.seq <= applied_seq:
+        return Step.SKIP
+    if isinstance(event, OutputEvent):
+        return Step.DROP if view.judge(event.fence) is not None else Step.HANDLE
+    if event.fence.epoch < fence.epoch:
+        return Step.ABSORB
+    return Step.HANDLE
+
+
+class SessionActor:
+    """Applies one session's events for one stage while its lease holds."""
+
+    def __init__(
+        self,
+        lease: Lease,
+        ownership: StageOwnership,
+        backend: StageBackend,
+        ctx: StageContext,
+    ) -> None:
+        self.lease = lease
+        self.ownership = ownership
+        self.backend = backend
+        self.ctx = ctx
+        self.view = FenceView(lease.fence)
+        self.applied_seq = lease.applied_seq
+        self.read_id = lease.read_id
+        self.out_seq = lease.out_seq
+        self.read_cursor = lease.read_id
+        """Last entry handed to this actor by the data reader."""
+        self.control_cursor = "0-0"
+        self.state = ActorState.RUNNING
+        self.queue: asyncio.Queue[list[Entry]] = asyncio.Queue()
+        self._pending: list[OutputEvent] = []
+        self._published_seq = lease.applied_seq
+        self._producer: asyncio.Task[None] | None = None
+        self._producer_fence: Fence | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    @property
+    def session_id(self) -> str:
+        return self.lease.session_id
+
+    @property
+    def active(self) -> bool:
+        return self.state is ActorState.RUNNING
+
+    # -- data path -----------------------------------------------------------
+
+    async def apply(self, entries: list[Entry]) -> None:
+        """Apply one batch of entries, then publish outputs and progress together."""
+        self.idle.clear()
+        try:
+            for entry in entries:
+                if not self.active:
+                    return
+                await self._apply_entry(entry)
+            if self.active:
+                await self._flush()
+        finally:
+            if self.queue.empty():
+                self.idle.set()
+
+    async def _apply_entry(self, entry: Entry) -> None:
+        event = self._decode(entry)
+        if event is None:
+            await self._count_drop("undecodable")
+            self._advance(entry.id, None)
+            return
+        step = decide(event, self.applied_seq, self.ctx.fence, self.view)
+        if isinstance(event, ControlEvent):
+            self.view.observe(event.fence)
+            self._advance(entry.id, None)
+            return
+        EVENTS_IN.inc(stage=self.ctx.stage)
+        if step is Step.SKIP:
+            return
+        if step is Step.DROP:
+            await self._count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
+        elif step is Step.ABSORB:
+            await self.backend.absorb(self.ctx, event)
+        else:
+            self._follow(event.fence)
+            await self._handle(event)
+            if not self.active:
+                return  # stopped mid-event: it stays unapplied for the next owner
+        self._advance(entry.id, event.seq)
+
+    def _decode(self, entry: Entry) -> StageEvent | ControlEvent | None:
+        try:
+            if b"e" in entry.fields:
+                decoded = decode_event(entry.fields[b"e"])
+                if isinstance(decoded, ControlEvent):
+                    raise WireDecodeError("control event in a data field")
+                return decoded
+            if b"c" in entry.fields:
+                return decode_control(entry.fields[b"c"])
+            raise WireDecodeError("entry has no event field (trimmed?)")
+        except WireDecodeError as exc:
+            log.warning("session %s: dead-lettering entry %s: %s", self.session_id, entry.id, exc)
+            return None
+
+    def _advance(self, entry_id: str, seq: int | None) -> None:
+        self.read_id = entry_id
+        if seq is not None:
+            self.applied_seq = max(self.applied_seq, seq)
+
+    def _follow(self, fence: Fence) -> None:
+        """Serve a newer fence an event carries (same incarnation, not regressed)."""
+        if fence.incarnation == self.ctx.fence.incarnation and (
+            fence_mismatch(self.ctx.fence, fence) is None
+        ):
+            self.ctx.fence = fence
+
+    async def _handle(self, event: StageEvent) -> None:
+        fence = self.ctx.fence
+        drafts: asyncio.Queue[OutputDraft | None] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                async for draft in self.backend.handle(self.ctx, event):
+                    drafts.put_nowait(draft)
+            finally:
+                drafts.put_nowait(None)
+
+        self._producer = asyncio.create_task(produce(), name=f"produce {self.session_id}")
+        self._producer_fence = fence
+        try:
+            while (draft := await drafts.get()) is not None:
+                if not self.active or self.ctx.fence.epoch > fence.epoch:
+                    continue  # released while queued: never published
+                self._stage(draft, fence, event.seq)
+                if draft.flush:
+                    await self._flush(progress=False)
+        finally:
+            producer, self._producer = self._producer, None
+            self._producer_fence = None
+            await self._reap(producer, event)
+
+    async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await producer
+        if producer.cancelled() or producer.exception() is None:
+            return
+        exc = producer.exception()
+        log.warning("session %s seq %s: backend failed: %r", self.session_id, event.seq, exc)
+        self._stage(
+            OutputDraft(OutputKind.ERROR, text=str(exc), meta={"code": "backend_error"}),
+            self.ctx.fence,
+            event.seq,
+        )
+
+    def _stage(self, draft: OutputDraft, fence: Fence, source_seq: int) -> None:
+        self.out_seq += 1
+        self._pending.append(
+            OutputEvent(
+                fence=fence,
+                stage=self.ctx.stage,
+                kind=draft.kind,
+                seq=self.out_seq,
+                source_seq=source_seq,
+                text=draft.text,
+                data=draft.data,
+                token_ids=draft.token_ids,
+                meta=dict(draft.meta),
+            )
+        )
+
+    async def _flush(self, *, progress: bool = True) -> None:
+        """Publish pending outputs (grouped by fence) and, with ``progress``, the cursor."""
+        groups: list[tuple[Fence, list[OutputEvent]]] = []
+        for event in self._pending:
+            if groups and groups[-1][0] == event.fence:
+                groups[-1][1].append(event)
+            else:
+                groups.append((event.fence, [event]))
+        self._pending = []
+        applied = self.applied_seq if progress else self._published_seq
+        for fence, events in groups:
+            await self._publish(fence, events, applied)
+        if progress and self.active and applied > self._published_seq:
+            await self._publish(self.ctx.fence, [], applied)
+
+    async def _publish(self, fence: Fence, events: list[OutputEvent], applied: int) -> None:
+        result = await self.ownership.publish(
+            self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
+            out_seq=self.out_seq,
+        )  # fmt: skip
+        current = result.current
+        if current is not None and current.incarnation > fence.incarnation:
+            # Another stage failed over; our lease still holds, so we serve on.
+            self.ctx.fence = self.ctx.fence.replace(incarnation=current.incarnation)
+            fence = fence.replace(incarnation=current.incarnation)
+            events = [msgspec.structs.replace(event, fence=fence) for event in events]
+            result = await self.ownership.publish(
+                self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
+                out_seq=self.out_seq,
+            )  # fmt: skip
+        if result.status is PublishStatus.STALE:
+            # The outputs' fence was released meanwhile: they are dropped, the
+            # inputs still count as applied.
+            await self._count_drop(result.reason or "epoch", len(events))
+            events = []
+            result = await self.ownership.publish(
+                self.lease, self.ctx.fence, [], applied_seq=applied, read_id=self.read_id,
+                out_seq=self.out_seq,
+            )  # fmt: skip
+        if result.status is PublishStatus.OK:
+            EVENTS_OUT.inc(len(events), stage=self.ctx.stage)
+            self._published_seq = max(self._published_seq, applied)
+        elif result.status is PublishStatus.LOST:
+            await self._count_drop("zombie", len(events))
+            self.state = ActorState.LOST
+        elif result.status is PublishStatus.CLOSED:
+            self.state = ActorState.CLOSED
+
+    async def _count_drop(self, reason: str, count: int = 1) -> None:
+        if count:
+            DROPPED_STALE.inc(count, stage=self.ctx.stage, reason=reason)
+            await self.ownership.note_drop(reason, count)
+
+    # -- control path ----------------------------------------------------------
+
+    async def on_control(self, control: ControlEvent) -> None:
+        """Apply a control event at once, ahead of any queued data."""
+        if control.kind is ControlKind.CANCEL:
+            await self._on_cancel(control)
+        elif control.kind is ControlKind.FAILOVER:
+            if control.fence.incarnation <= self.ctx.fence.incarnation:
+                return
+            if control.reason == self.ctx.stage:
+                self.state = ActorState.LOST  # our own stage moved: we were presumed dead
+                self._cancel_producer()
+                return
+            self.ctx.fence = self.ctx.fence.replace(incarnation=control.fence.incarnation)
+            self.view.advance(control.fence)
+        elif control.kind is ControlKind.CLOSE:
+            self.state = ActorState.CLOSED
+            self._cancel_producer()
+
+    async def _on_cancel(self, control: ControlEvent) -> None:
+        if control.fence.epoch <= self.ctx.fence.epoch and self._producer_fence is None:
+            return
+        self.view.advance(control.fence)
+        if control.fence.epoch > self.ctx.fence.epoch:
+            self.ctx.fence = self.ctx.fence.replace(epoch=control.fence.epoch)
+        producing = self._producer_fence
+        if producing is not None and producing.epoch < self.ctx.fence.epoch:
+            self._cancel_producer()
+        if control.cancelled is not None:
+            await self.backend.release(self.ctx, control.cancelled)
+
+    def _cancel_producer(self) -> None:
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+
+    def stop(self) -> None:
+        """Stop at once for a hand-back: the event being handled stays unapplied."""
+        if self.state is ActorState.RUNNING:
+            self.state = ActorState.STOPPED
+        self._cancel_producer()
+        self.queue.put_nowait([])
+
+    async def shutdown(self) -> None:
+        """Stop producing and drop backend state; called once as the actor retires."""
+        self.stop()
+        await self.backend.stop(self.ctx)

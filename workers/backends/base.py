@@ -1,0 +1,85 @@
+"""The stage backend contract.
+
+A backend turns one session's events into output drafts. The worker runtime
+owns everything else: ordering, fences, leases, publishing and skipping what
+was already applied. A backend only
+
+- ``start``s a session, optionally rebuilding its state from the session's
+  recorded inputs and the outputs this stage already published (failover),
+- ``handle``s one event, yielding drafts as they are ready (a streaming model
+  yields one per step; a ``flush`` draft is published at once),
+- ``absorb``s an event that arrived before an interruption (context only,
+  nothing answers it),
+- ``release``s the work bound to a fence (barge-in, close, failover): abort
+  engine requests, stop synthesis,
+- ``stop``s the session.
+
+The runtime cancels the task running ``handle`` when the fence it serves is
+released; a backend must let that CancelledError through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schemas.events import InputEvent, OutputEvent, OutputKind
+from schemas.fence import Fence
+
+
+class BackendError(Exception):
+    """A recoverable failure while handling one event; the session goes on."""
+
+
+@dataclass(slots=True)
+class StageContext:
+    """What a backend knows of the session it serves."""
+
+    session_id: str
+    stage: str
+    fence: Fence
+    """The fence the stage currently serves (updated on cancel and failover)."""
+    options: Mapping[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
+    """Backend-owned per-session state."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDraft:
+    """An output before the runtime stamps it with fence, stage and seq."""
+
+    kind: OutputKind
+    text: str = ""
+    data: bytes = b""
+    token_ids: tuple[int, ...] = ()
+    meta: Mapping[str, str | int | float | bool] = field(default_factory=dict)
+    flush: bool = False
+    """Publish at once instead of batching with the rest of the event's outputs."""
+
+
+StageEvent = InputEvent | OutputEvent
+"""What a stage consumes: the session log, or an upstream stage's outputs."""
+
+
+class StageBackend(Protocol):
+    """What the worker runtime needs from a stage backend."""
+
+    name: str
+
+    async def start(
+        self,
+        ctx: StageContext,
+        inputs: Sequence[StageEvent],
+        outputs: Sequence[OutputEvent],
+    ) -> None: ...
+
+    def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]: ...
+
+    async def absorb(self, ctx: StageContext, event: StageEvent) -> None: ...
+
+    async def release(self, ctx: StageContext, fence: Fence) -> None: ...
+
+    async def stop(self, ctx: StageContext) -> None: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,169 @@
+"""Leases and fenced publishing for one stage, over the Lua in ``coordinator.scripts``.
+
+A worker owns (session, stage) through a lease: a key holding its id, a random
+token and the incarnation it was granted under, with a TTL renewed by
+heartbeat. Taking over a session whose stage had an owner before bumps the
+session's incarnation (failover). Every publish checks, in the same atomic
+step, that the lease still holds this token and that the outputs' fence has
+not regressed; a stopped-then-resumed worker whose lease moved is refused.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import NamedTuple
+
+from coordinator.authority import SessionAuthority
+from coordinator.bus import RedisBus
+from schemas.config import PipelineConfig
+from schemas.events import OutputEvent, encode_event
+from schemas.fence import Fence
+
+
+class Lease(NamedTuple):
+    """A granted lease and where the stage left off in the session."""
+
+    session_id: str
+    token: str
+    fence: Fence
+    failover: bool
+    applied_seq: int
+    read_id: str
+    out_seq: int
+
+
+class AcquireStatus(StrEnum):
+    OK = "ok"
+    HELD = "held"
+    CLOSED = "closed"
+
+
+class PublishStatus(StrEnum):
+    OK = "ok"
+    LOST = "lost"
+    """The lease is no longer ours: we are a zombie for this session."""
+    STALE = "stale"
+    """The fence regressed (cancel or failover happened); nothing was written."""
+    CLOSED = "closed"
+
+
+class PublishResult(NamedTuple):
+    status: PublishStatus
+    reason: str = ""
+    current: Fence | None = None
+    server_event_seq: int = 0
+
+
+class StageOwnership:
+    """Acquire, renew, release and publish for one stage's worker."""
+
+    def __init__(
+        self, bus: RedisBus, pipeline: PipelineConfig, stage: str, worker_id: str, ttl_ms: int
+    ) -> None:
+        self.bus = bus
+        self.stage = stage
+        self.worker_id = worker_id
+        self.ttl_ms = ttl_ms
+        self.to_client = pipeline.stage(stage).to_client
+        self._authority = SessionAuthority(bus, pipeline)
+        self._stage_index = pipeline.stage_names.index(stage)
+
+    def _lifecycle_keys(self, session_id: str) -> list[str]:
+        # The scripts expect this stage's (output, lease) pair at KEYS[6], KEYS[7].
+        keys = self._authority.script_keys(session_id)
+        head, pairs = keys[:5], keys[5:]
+        mine = pairs[2 * self._stage_index : 2 * self._stage_index + 2]
+        others = pairs[: 2 * self._stage_index] + pairs[2 * self._stage_index + 2 :]
+        return head + mine + others
+
+    async def acquire(self, session_id: str, now_ms: int) -> tuple[AcquireStatus, Lease | None]:
+        token = secrets.token_hex(8)
+        reply = await self.bus.run(
+            self.bus.acquire_script,
+            self._lifecycle_keys(session_id),
+            [session_id, self.stage, self.worker_id, token, self.ttl_ms, now_ms],
+        )
+        status = AcquireStatus(reply[0])
+        if status is not AcquireStatus.OK:
+            return status, None
+        inc, epoch, turn, resp = (int(v) for v in reply[1:5])
+        lease = Lease(
+            session_id=session_id,
+            token=token,
+            fence=Fence(session_id, inc, epoch, turn, resp),
+            failover=bool(int(reply[5])),
+            applied_seq=int(reply[6]),
+            read_id=str(reply[7]),
+            out_seq=int(reply[8]),
+        )
+        await self.bus.client.zadd(
+            self.bus.keys.lease_index(self.stage), {session_id: now_ms + self.ttl_ms}
+        )
+        return status, lease
+
+    async def renew(self, leases: Sequence[Lease], now_ms: int) -> list[bool]:
+        """Renew many leases in one round trip; False where the lease was lost."""
+        if not leases:
+            return []
+        async with self.bus.client.pipeline(transaction=False) as pipe:
+            for lease in leases:
+                key = self.bus.keys.session(lease.session_id).lease(self.stage)
+                await self.bus.renew_script(
+                    keys=[key], args=[lease.token, self.ttl_ms], client=pipe
+                )
+            expiry = {lease.session_id: now_ms + self.ttl_ms for lease in leases}
+            pipe.zadd(self.bus.keys.lease_index(self.stage), expiry)
+            replies = await pipe.execute()
+        return [bool(r) for r in replies[: len(leases)]]
+
+    async def release(self, lease: Lease, *, hand_back: bool) -> None:
+        """Give the lease up; with ``hand_back`` the session is queued for another worker."""
+        key = self.bus.keys.session(lease.session_id).lease(self.stage)
+        released = await self.bus.run(self.bus.release_script, [key], [lease.token])
+        await self.bus.client.zrem(self.bus.keys.lease_index(self.stage), lease.session_id)
+        if hand_back and released[0]:
+            await self.bus.client.xadd(
+                self.bus.keys.assign(self.stage), {"sid": lease.session_id, "why": "handback"}
+            )
+
+    async def publish(
+        self,
+        lease: Lease,
+        fence: Fence,
+        events: Sequence[OutputEvent],
+        *,
+        applied_seq: int,
+        read_id: str,
+        out_seq: int,
+    ) -> PublishResult:
+        """Append outputs and record progress, atomically, if the lease and fence hold."""
+        sk = self.bus.keys.session(lease.session_id)
+        keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
+        args: list[object] = [
+            self.stage,
+            lease.token,
+            fence.incarnation,
+            fence.epoch,
+            fence.turn_id,
+            fence.response_seq,
+            applied_seq,
+            read_id,
+            out_seq,
+            "1" if self.to_client else "0",
+        ]
+        args.extend(encode_event(event) for event in events)
+        reply = await self.bus.run(self.bus.publish_script, keys, args)
+        status = PublishStatus(reply[0])
+        if status is PublishStatus.OK:
+            return PublishResult(status, server_event_seq=int(reply[1]))
+        if status is PublishStatus.STALE:
+            inc, epoch, turn, resp = (int(v) for v in reply[2:6])
+            current = Fence(lease.session_id, inc, epoch, turn, resp)
+            return PublishResult(status, str(reply[1]), current)
+        return PublishResult(status)
+
+    async def note_drop(self, reason: str, count: int) -> None:
+        """Count dropped outputs in the shared metrics hash (all processes add up)."""
+        await self.bus.hincrby(self.bus.keys.metrics, f"dropped:{self.stage}:{reason}", count)

@@ -1,0 +1,363 @@
+"""The stage worker: takes sessions while it has capacity and serves them.
+
+One worker serves one stage for many sessions. Its loops, all owned by one
+task group:
+
+- assignment: reads the stage's assignment stream through the consumer group,
+  only as many entries as it has free capacity, and acquires their leases;
+  entries a dead worker read but never acknowledged are claimed after a while;
+- orphans: with spare capacity, looks for leases that expired (a worker died)
+  and takes those sessions over, which bumps their incarnation;
+- heartbeat: renews every lease it holds; a lease it cannot renew was lost,
+  and that session's actor stops at once;
+- control: reads the control streams of its sessions and applies cancel,
+  close and failover to the actors directly, never queued behind data;
+- data: reads the sessions' input streams in batches and hands them to the
+  actors, which apply them in order.
+
+Shutdown is a small state machine: RUNNING -> DRAINING -> STOPPED. A signal
+only requests it; the loops see DRAINING, stop taking work, and the worker
+hands each session back (lease released, session re-queued) instead of
+letting leases expire. Burst mode drains what is there and then stops the
+same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from enum import Enum, auto
+
+import redis.asyncio as aioredis
+
+from coordinator.bus import Entry, RedisBus
+from coordinator.metrics import FAILOVERS, OWNED_SESSIONS
+from schemas.config import SESSION_INPUT, PipelineConfig, Settings
+from schemas.errors import WireDecodeError
+from schemas.events import OutputEvent, decode_control, decode_event, decode_output
+from schemas.keys import ASSIGN_GROUP, Keys
+from workers.actor import ActorState, SessionActor
+from workers.backends import StageBackend, StageContext, create_backend
+from workers.backends.base import StageEvent
+from workers.ownership import AcquireStatus, StageOwnership
+
+log = logging.getLogger("duplexq.worker")
+
+RoundFn = Callable[[], Awaitable[None]]
+
+
+class WorkerState(Enum):
+    STARTING = auto()
+    RUNNING = auto()
+    DRAINING = auto()
+    STOPPED = auto()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Worker:
+    """A worker process's runtime for one stage."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pipeline: PipelineConfig,
+        stage: str,
+        *,
+        worker_id: str | None = None,
+        burst: bool = False,
+        backend: StageBackend | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.stage_config = pipeline.stage(stage)
+        self.stage = stage
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{stage}"
+        self.burst = burst
+        self.capacity = self.stage_config.capacity or settings.worker_capacity
+        self.bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        self.keys = self.bus.keys
+        self.backend = backend or create_backend(self.stage_config)
+        self.ownership = StageOwnership(
+            self.bus, pipeline, stage, self.worker_id, settings.lease_ttl_ms
+        )
+        self.actors: dict[str, SessionActor] = {}
+        self.state = WorkerState.STARTING
+        self._actor_tasks: dict[str, asyncio.Task[None]] = {}
+        self._wake_stream = self.keys.wake(self.worker_id)
+        self._stopping = asyncio.Event()
+        self._quiet_rounds = 0
+        self._readers: dict[str, aioredis.Redis] = {}
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the worker to drain and stop (safe from a signal handler)."""
+        if self.state in (WorkerState.STARTING, WorkerState.RUNNING):
+            self.state = WorkerState.DRAINING
+            self._stopping.set()
+            for actor in self.actors.values():
+                actor.stop()
+
+    async def run(self) -> None:
+        """Serve until stopped (or, in burst mode, until nothing is left to do)."""
+        await self.bus.ensure_group(self.keys.assign(self.stage), ASSIGN_GROUP)
+        self.state = WorkerState.RUNNING
+        log.info("worker %s serving stage %s", self.worker_id, self.stage)
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                group.create_task(self._loop(self._assignment_round, 0), name="assignment")
+                group.create_task(
+                    self._loop(self._orphan_round, self.settings.orphan_scan_ms), name="orphans"
+                )
+                group.create_task(
+                    self._loop(self._heartbeat_round, self.settings.heartbeat_ms),
+                    name="heartbeat",
+                )
+                group.create_task(self._loop(self._control_round, 0), name="control")
+                group.create_task(self._loop(self._data_round, 0), name="data")
+        finally:
+            await self._hand_back_all()
+            await self.bus.client.zrem(self.keys.workers(self.stage), self.worker_id)
+            await self.bus.client.delete(self._wake_stream)
+            await self.backend.aclose()
+            await self.bus.aclose()
+            self.state = WorkerState.STOPPED
+            log.info("worker %s stopped", self.worker_id)
+
+    async def _loop(self, round_fn: RoundFn, pause_ms: int) -> None:
+        """Run one loop until draining; an error in a round is logged, never fatal."""
+        while self.state is WorkerState.RUNNING:
+            try:
+                await round_fn()
+            except Exception:
+                log.exception("worker %s: %s round failed; retrying", self.worker_id, round_fn)
+                await self._pause(200)
+            if pause_ms:
+                await self._pause(pause_ms)
+
+    async def _pause(self, ms: int) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), ms / 1000)
+
+    async def _wake(self) -> None:
+        await self.bus.client.xadd(self._wake_stream, {"w": "1"}, maxlen=16, approximate=True)
+
+    # -- taking sessions -------------------------------------------------------
+
+    @property
+    def spare(self) -> int:
+        return self.capacity - len(self.actors)
+
+    async def _assignment_round(self) -> None:
+        if self.spare <= 0:
+            await self._pause(self.settings.block_ms)
+            return
+        stream = self.keys.assign(self.stage)
+        entries = await self.bus.xautoclaim(
+            stream, ASSIGN_GROUP, self.worker_id, self.settings.assign_claim_idle_ms, self.spare
+        )
+        if not entries:
+            reader = self._reader("assign")
+            entries = await self.bus.xreadgroup(
+                reader, ASSIGN_GROUP, self.worker_id, stream, self.spare, self._block_ms()
+            )
+        for entry in entries:
+            session_id = entry.fields.get(b"sid", b"").decode()
+            if session_id:
+                await self._take(session_id)
+            await self.bus.xack(stream, ASSIGN_GROUP, entry.id)
+        self._note_activity(bool(entries))
+
+    async def _orphan_round(self) -> None:
+        if self.spare <= 0:
+            return
+        expired = await self.bus.client.zrangebyscore(
+            self.keys.lease_index(self.stage), "-inf", now_ms(), start=0, num=self.spare
+        )
+        for raw in expired:
+            session_id = raw.decode()
+            if session_id not in self.actors:
+                await self._take(session_id)
+
+    async def _take(self, session_id: str) -> None:
+        if session_id in self.actors or self.state is not WorkerState.RUNNING:
+            return
+        status, lease = await self.ownership.acquire(session_id, now_ms())
+        if status is AcquireStatus.CLOSED:
+            await self.bus.client.zrem(self.keys.lease_index(self.stage), session_id)
+            return
+        if lease is None:
+            return
+        if lease.failover:
+            FAILOVERS.inc(stage=self.stage)
+            await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
+            log.info("worker %s took over %s at %s", self.worker_id, session_id, lease.fence)
+        ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
+        actor = SessionActor(lease, self.ownership, self.backend, ctx)
+        inputs, outputs = await self._history(session_id, lease.read_id)
+        await self.backend.start(ctx, inputs, outputs)
+        self.actors[session_id] = actor
+        self._actor_tasks[session_id] = self._group.create_task(
+            self._serve(actor), name=f"actor {session_id}"
+        )
+        OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
+        await self._wake()
+
+    def _input_stream(self, session_id: str) -> str:
+        sk = self.keys.session(session_id)
+        source = self.stage_config.input
+        return sk.input if source == SESSION_INPUT else sk.stage_out(source)
+
+    async def _history(
+        self, session_id: str, read_id: str
+    ) -> tuple[list[StageEvent], list[OutputEvent]]:
+        """What the stage had applied and published, for rebuilding its state."""
+        inputs: list[StageEvent] = []
+        if read_id != "0-0":
+            for entry in await self.bus.xrange(self._input_stream(session_id), "-", read_id):
+                if b"e" in entry.fields:
+                    with contextlib.suppress(WireDecodeError):
+                        inputs.append(decode_stage_event(entry.fields[b"e"]))
+        outputs: list[OutputEvent] = []
+        own = self.keys.session(session_id).stage_out(self.stage)
+        for entry in await self.bus.xrange(own):
+            if b"e" in entry.fields:
+                with contextlib.suppress(WireDecodeError):
+                    outputs.append(decode_output(entry.fields[b"e"]))
+        return inputs, outputs
+
+    # -- serving -----------------------------------------------------------------
+
+    async def _serve(self, actor: SessionActor) -> None:
+        try:
+            while actor.active:
+                batch = await actor.queue.get()
+                await actor.apply(batch)
+        finally:
+            await self._retire(actor)
+
+    async def _retire(self, actor: SessionActor) -> None:
+        session_id = actor.session_id
+        self.actors.pop(session_id, None)
+        self._actor_tasks.pop(session_id, None)
+        OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
+        await actor.shutdown()
+        if actor.state is ActorState.CLOSED:
+            await self.ownership.release(actor.lease, hand_back=False)
+        elif actor.state is ActorState.STOPPED:
+            await self.ownership.release(actor.lease, hand_back=True)
+        # LOST: the lease is someone else's now; touch nothing.
+
+    async def _hand_back_all(self) -> None:
+        """Hand back sessions whose actor task did not get to (the group failed)."""
+        for actor in list(self.actors.values()):
+            actor.stop()
+            await self._retire(actor)
+
+    async def _heartbeat_round(self) -> None:
+        await self.bus.client.zadd(self.keys.workers(self.stage), {self.worker_id: now_ms()})
+        actors = [a for a in self.actors.values() if a.active]
+        renewed = await self.ownership.renew([a.lease for a in actors], now_ms())
+        for actor, ok in zip(actors, renewed, strict=True):
+            if not ok and actor.active:
+                log.warning("worker %s lost lease of %s", self.worker_id, actor.session_id)
+                actor.state = ActorState.LOST
+                actor.queue.put_nowait([])  # wake its loop so it retires
+
+    async def _control_round(self) -> None:
+        streams = {self._wake_stream: "$"}
+        owners: dict[str, SessionActor] = {}
+        for actor in self.actors.values():
+            stream = self.keys.session(actor.session_id).control
+            streams[stream] = actor.control_cursor
+            owners[stream] = actor
+        entries = await self.bus.xread(
+            self._reader("control"), streams, 256, self._block_ms(idle=True)
+        )
+        for entry in entries:
+            owner = owners.get(entry.stream)
+            if owner is None:
+                continue
+            owner.control_cursor = entry.id
+            try:
+                control = decode_control(entry.fields.get(b"c", b""))
+            except WireDecodeError:
+                continue
+            await owner.on_control(control)
+            if not owner.active:
+                owner.queue.put_nowait([])
+
+    async def _data_round(self) -> None:
+        streams: dict[str, str] = {self._wake_stream: "$"}
+        owners: dict[str, SessionActor] = {}
+        for actor in self.actors.values():
+            # An actor with batches still queued is not read for now (backpressure).
+            if actor.active and actor.queue.qsize() < 4:
+                stream = self._input_stream(actor.session_id)
+                streams[stream] = actor.read_cursor
+                owners[stream] = actor
+        entries = await self.bus.xread(
+            self._reader("data"), streams, self.settings.read_batch, self._block_ms()
+        )
+        batches: dict[str, list[Entry]] = {}
+        for entry in entries:
+            owner = owners.get(entry.stream)
+            if owner is not None:
+                owner.read_cursor = entry.id
+                batches.setdefault(entry.stream, []).append(entry)
+        for stream, batch in batches.items():
+            owners[stream].queue.put_nowait(batch)
+        self._note_activity(bool(batches))
+        if self.burst:
+            await self._maybe_finish_burst()
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _reader(self, name: str) -> aioredis.Redis:
+        """One dedicated blocking-read connection per loop."""
+        if name not in self._readers:
+            self._readers[name] = self.bus.reader(self.settings.block_ms)
+        return self._readers[name]
+
+    def _block_ms(self, *, idle: bool = False) -> int:
+        if self.burst and not idle:
+            return min(self.settings.block_ms, 100)
+        return self.settings.block_ms
+
+    def _note_activity(self, active: bool) -> None:
+        self._quiet_rounds = 0 if active else self._quiet_rounds + 1
+
+    async def _maybe_finish_burst(self) -> None:
+        """In burst mode, stop once no assignment, data or work is left."""
+        if self._quiet_rounds < 3 or any(not a.idle.is_set() for a in self.actors.values()):
+            return
+        pending = await self.bus.client.xpending(self.keys.assign(self.stage), ASSIGN_GROUP)
+        unread = await self._unread_assignments()
+        if pending["pending"] == 0 and not unread:
+            log.info("worker %s: burst done", self.worker_id)
+            self.request_stop()
+
+    async def _unread_assignments(self) -> bool:
+        groups = await self.bus.client.xinfo_groups(self.keys.assign(self.stage))
+        for group in groups:
+            if group["name"] in (ASSIGN_GROUP, ASSIGN_GROUP.encode()):
+                lag = group.get("lag")
+                return bool(lag) if lag is not None else False
+        return False
+
+
+def decode_stage_event(raw: bytes) -> StageEvent:
+    """Decode a data entry a stage consumes; control events are not data."""
+    event = decode_event(raw)
+    if not isinstance(event, StageEvent):
+        raise WireDecodeError("expected an input or output event")
+    return event
