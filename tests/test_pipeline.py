@@ -1,11 +1,11 @@
 """The data plane end to end, in one process: coordinator, echo workers, real Redis."""
 
-
 import pytest
 
 from coordinator.service import Coordinator
 from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
+from schemas.fence import Fence
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
 
 
@@ -91,5 +91,36 @@ async def test_cancel_drops_old_epoch_outputs_and_stops_the_worker(settings):
             assert all(o.fence.epoch == 1 for o in later)
             assert "".join(o.text for o in later) == "after"
             assert worker.backend.released  # type: ignore[attr-defined]
+    finally:
+        await coordinator.aclose()
+
+
+async def test_barge_in_under_load(settings):
+    stage = echo_pipeline("echo").stages[0]
+    stage = stage.model_copy(update={"options": {"chunks": 40, "step_ms": 15}})
+    pipeline = echo_pipeline("echo").model_copy(update={"stages": (stage,)})
+    coordinator = Coordinator(settings, pipeline)
+    sessions = [f"s{i}" for i in range(12)]
+    try:
+        async with running_worker(settings, pipeline, "echo") as worker:
+            for sid in sessions:
+                await coordinator.open(sid)
+                await coordinator.append(sid, "append_text", TextPayload("y" * 400))
+            before = await collect(coordinator, 30)
+            assert any(d.session_id == "s0" for d in before)
+            await coordinator.cancel("s0", reason="barge_in")
+            # Everything delivered after the acknowledgement: other sessions go on,
+            # s0 delivers nothing of epoch 0.
+            after = outputs_of(await collect(coordinator, 200))
+            await coordinator.append("s0", "append_text", TextPayload("new"))
+            after += outputs_of(await collect(coordinator, 40))
+            backend = worker.backend
+        s0 = [o for o in after if o.fence.session_id == "s0"]
+        assert all(o.fence.epoch == 1 for o in s0)
+        assert "".join(o.text for o in s0) == "new"
+        assert any(o.fence.session_id != "s0" for o in after)
+        # The worker stopped producing for the old epoch within one backend step.
+        assert backend.steps_after_release <= 1  # type: ignore[attr-defined]
+        assert backend.released == [Fence("s0")]  # type: ignore[attr-defined]
     finally:
         await coordinator.aclose()

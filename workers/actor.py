@@ -46,6 +46,7 @@ from schemas.events import (
 )
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
+from workers.failpoints import failpoint
 from workers.ownership import Lease, PublishStatus, StageOwnership
 
 log = logging.getLogger("duplexq.worker")
@@ -155,6 +156,7 @@ class SessionActor:
         elif step is Step.ABSORB:
             await self.backend.absorb(self.ctx, event)
         else:
+            failpoint("after_read", event.seq)
             self._follow(event.fence)
             await self._handle(event)
             if not self.active:
@@ -257,6 +259,8 @@ class SessionActor:
             await self._publish(self.ctx.fence, [], applied)
 
     async def _publish(self, fence: Fence, events: list[OutputEvent], applied: int) -> None:
+        if events:
+            failpoint("before_publish", events[0].source_seq, events[-1].source_seq)
         result = await self.ownership.publish(
             self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
             out_seq=self.out_seq,
@@ -282,6 +286,7 @@ class SessionActor:
             )  # fmt: skip
         if result.status is PublishStatus.OK:
             EVENTS_OUT.inc(len(events), stage=self.ctx.stage)
+            failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
             await self._count_drop("zombie", len(events))

@@ -55,6 +55,8 @@ class EchoBackend:
         self.chunks = max(1, _int_option(options, "chunks", 1, 64))
         self.step_s = _int_option(options, "step_ms", 0, 10_000) / 1000
         self.released: list[Fence] = []
+        self.steps_after_release = 0
+        """Chunks produced for a fence after it was released (barge-in reaction, in steps)."""
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -89,9 +91,12 @@ class EchoBackend:
             source["turn_seq"] = event.turn_seq
         pieces = _split(content, self.chunks) if kind is not OutputKind.DONE else [content]
         streaming = len(pieces) > 1
+        epoch = ctx.fence.epoch
         for index, piece in enumerate(pieces):
             if index and self.step_s:
                 await asyncio.sleep(self.step_s)
+            if ctx.fence.epoch > epoch:
+                self.steps_after_release += 1
             meta = {**source, "chunk": index, "last": index == len(pieces) - 1}
             if isinstance(piece, bytes):
                 yield OutputDraft(kind, data=piece, meta=meta, flush=streaming)
