@@ -1,0 +1,135 @@
+"""The ``duplexq`` command line.
+
+duplexq up                 the whole stack on this machine (Redis, workers, control)
+duplexq worker --stage S   one stage worker (same as ``python -m workers``)
+duplexq sessions [SID]     list open sessions, or one session's fence, owners and lag
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from coordinator.bus import RedisBus
+from coordinator.inspect import inspect_session, list_sessions, render_session
+from coordinator.local_stack import LocalStack, demonstrate
+from schemas.config import PipelineConfig, Settings, load_pipeline
+from schemas.keys import Keys
+from workers.__main__ import load_pipeline_or_echo, load_settings
+from workers.__main__ import main as worker_main
+
+DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "echo.toml"
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pipeline", type=Path, help="pipeline file (.toml/.json)")
+    parser.add_argument("--settings", type=Path, help="settings file (.toml/.json)")
+    parser.add_argument("--redis-url", help="overrides settings.redis_url")
+
+
+def _pipeline_for_up(path: Path | None) -> tuple[PipelineConfig, Path]:
+    chosen = path or DEFAULT_PIPELINE
+    return load_pipeline(chosen), chosen
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = load_settings(args.settings, args.redis_url)
+    pipeline, pipeline_path = _pipeline_for_up(args.pipeline)
+    stack = LocalStack(settings, pipeline_path.resolve(), Path(args.workdir).resolve())
+    try:
+        if not args.redis_url:
+            stack.start_redis()
+        for stage in pipeline.stage_names:
+            for n in range(args.workers):
+                stack.start_worker(stage, f"{stage}-{n}")
+        print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
+              f" -> client), {args.workers} worker(s) per stage, Redis at "
+              f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
+        ok = asyncio.run(demonstrate(stack, pipeline))
+        print("demonstration " + ("passed" if ok else "FAILED"))
+        if args.demo_only:
+            return 0 if ok else 1
+        print("serving; Ctrl-C to stop")
+        try:
+            while all(p.poll() is None for p in stack.procs.values()):
+                asyncio.run(asyncio.sleep(1))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        stack.stop()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    forwarded = ["--stage", args.stage]
+    for flag in ("pipeline", "settings", "redis_url", "worker_id"):
+        value = getattr(args, flag)
+        if value:
+            forwarded += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.burst:
+        forwarded.append("--burst")
+    return worker_main(forwarded)
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    settings = load_settings(args.settings, args.redis_url)
+    pipeline = load_pipeline_or_echo(args.pipeline)
+    return asyncio.run(_sessions(settings, pipeline, args.session_id))
+
+
+async def _sessions(settings: Settings, pipeline: PipelineConfig, session_id: str | None) -> int:
+    bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+    try:
+        if session_id is None:
+            for sid in await list_sessions(bus):
+                print(sid)
+            return 0
+        try:
+            print(render_session(await inspect_session(bus, pipeline, session_id)))
+        except KeyError as exc:
+            print(exc.args[0], file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        await bus.aclose()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duplexq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="run the whole stack on this machine")
+    _common(up)
+    up.add_argument("--workers", type=int, default=2, help="worker processes per stage")
+    up.add_argument("--workdir", default="var", help="where Redis data and logs go")
+    up.add_argument("--demo-only", action="store_true", help="stop after the demonstration")
+    up.set_defaults(func=cmd_up)
+
+    worker = commands.add_parser("worker", help="run one stage worker")
+    _common(worker)
+    worker.add_argument("--stage", required=True)
+    worker.add_argument("--worker-id")
+    worker.add_argument("--burst", action="store_true")
+    worker.set_defaults(func=cmd_worker)
+
+    sessions = commands.add_parser("sessions", help="list sessions or inspect one")
+    _common(sessions)
+    sessions.add_argument("session_id", nargs="?")
+    sessions.set_defaults(func=cmd_sessions)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Read-only views of sessions for operators: list, and one session's details."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.bus import RedisBus
+from schemas.config import SESSION_INPUT, PipelineConfig
+from schemas.fence import Fence
+
+
+@dataclass(frozen=True)
+class StageView:
+    stage: str
+    owner: str | None
+    applied_seq: int
+    lag: int
+    """Inputs (or upstream outputs) this stage has not applied yet."""
+    owners_so_far: int
+
+
+@dataclass(frozen=True)
+class SessionView:
+    session_id: str
+    status: str
+    fence: Fence
+    seq: int
+    stages: tuple[StageView, ...]
+    lengths: dict[str, int]
+
+
+async def list_sessions(bus: RedisBus, limit: int = 100) -> list[str]:
+    raw = await bus.client.zrange(bus.keys.sessions, 0, limit - 1)
+    return [r.decode() for r in raw]
+
+
+async def inspect_session(bus: RedisBus, pipeline: PipelineConfig, session_id: str) -> SessionView:
+    sk = bus.keys.session(session_id)
+    meta = await bus.hgetall(sk.meta)
+    if not meta:
+        raise KeyError(f"no session {session_id!r}")
+    progress = await bus.hgetall(sk.progress)
+    fence = Fence(
+        session_id,
+        int(meta["inc"]),
+        int(meta["epoch"]),
+        int(meta["turn"]),
+        int(meta["resp"]),
+    )
+    stages = []
+    for stage in pipeline.stages:
+        lease = await bus.client.get(sk.lease(stage.name))
+        applied = int(progress.get(f"{stage.name}:applied", 0))
+        if stage.input == SESSION_INPUT:
+            produced = int(meta["seq"])
+        else:
+            produced = int(progress.get(f"{stage.input}:oseq", 0))
+        stages.append(
+            StageView(
+                stage=stage.name,
+                owner=lease.decode().split()[0] if lease else None,
+                applied_seq=applied,
+                lag=max(0, produced - applied),
+                owners_so_far=int(progress.get(f"{stage.name}:owners", 0)),
+            )
+        )
+    lengths = {"input": await bus.client.xlen(sk.input), "client": await bus.client.xlen(sk.client)}
+    for stage in pipeline.stages:
+        lengths[stage.name] = await bus.client.xlen(sk.stage_out(stage.name))
+    return SessionView(session_id, meta["status"], fence, int(meta["seq"]), tuple(stages), lengths)
+
+
+def render_session(view: SessionView) -> str:
+    lines = [
+        f"session {view.session_id}: {view.status}, fence {view.fence}, {view.seq} inputs",
+        "  stage        owner                 applied   lag  owners",
+    ]
+    for st in view.stages:
+        lines.append(
+            f"  {st.stage:<12} {st.owner or '-':<20} {st.applied_seq:>8} {st.lag:>5} "
+            f"{st.owners_so_far:>7}"
+        )
+    lines.append("  streams: " + ", ".join(f"{k}={v}" for k, v in view.lengths.items()))
+    return "\n".join(lines)
