@@ -136,5 +136,8 @@ DROPPED_STALE = REGISTRY.counter(
 )
 EVENTS_IN = REGISTRY.counter("duplexq_events_in_total", "Events a stage consumed.")
 EVENTS_OUT = REGISTRY.counter("duplexq_events_out_total", "Outputs a stage published.")
+PUBLISHES = REGISTRY.counter(
+    "duplexq_publish_calls_total", "Atomic publish steps (a batch of outputs plus progress)."
+)
 FAILOVERS = REGISTRY.counter("duplexq_failovers_total", "Sessions a worker took over.")
 OWNED_SESSIONS = REGISTRY.gauge("duplexq_owned_sessions", "Sessions a worker owns now.")

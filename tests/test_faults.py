@@ -104,11 +104,13 @@ async def test_kill_9_mid_turn_hands_the_session_over(settings, tmp_path, point)
                     await coordinator.append("s1", "append_text", TextPayload(f"m{n}"))
                 await asyncio.to_thread(wait_for_file, marker)
                 first.kill()
-                deliveries = await collect(coordinator, 10, timeout=30)
+                for n in range(10, 15):
+                    await coordinator.append("s1", "append_text", TextPayload(f"m{n}"))
+                deliveries = await collect(coordinator, 15, timeout=30)
                 assert await holder(coordinator, "s1", "echo") == "second"
         got = outputs_of(deliveries)
-        assert sorted(o.source_seq for o in got) == list(range(1, 11))
-        assert [o.text for o in got] == [f"m{n}" for n in range(10)]
+        assert sorted(o.source_seq for o in got) == list(range(1, 16))
+        assert [o.text for o in got] == [f"m{n}" for n in range(15)]
         assert all(o.fence.incarnation == 1 for o in _after_failover(deliveries))
     finally:
         await coordinator.aclose()
@@ -160,3 +162,29 @@ async def _is(value_coro, expected):
 def test_stage_config_capacity_bounds():
     with pytest.raises(ValueError):
         StageConfig(name="x", capacity=0)
+
+
+async def test_sigterm_hands_sessions_back_at_once(redis_server, key_prefix, tmp_path):
+    # A lease TTL far longer than the test: only a hand-back can move the session.
+    settings = fast_settings(redis_server.url, key_prefix, lease_ttl_ms=120_000)
+    pipeline = echo_pipeline("echo")
+    path = write_pipeline(tmp_path, pipeline)
+    leaving = WorkerProcess(settings, path, "echo", "leaving", tmp_path)
+    staying = WorkerProcess(settings, path, "echo", "staying", tmp_path)
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        with workers(leaving):
+            await coordinator.open("s1")
+            await coordinator.append("s1", "append_text", TextPayload("before"))
+            await collect(coordinator, 1)
+            assert await holder(coordinator, "s1", "echo") == "leaving"
+            assert leaving.terminate() == 0
+            assert await holder(coordinator, "s1", "echo") is None
+        with workers(staying):
+            await coordinator.append("s1", "append_text", TextPayload("after"))
+            got = outputs_of(await collect(coordinator, 1))
+            assert await holder(coordinator, "s1", "echo") == "staying"
+        assert [o.text for o in got] == ["after"]
+        assert got[0].fence.incarnation == 1
+    finally:
+        await coordinator.aclose()

@@ -33,7 +33,7 @@ from enum import Enum, auto
 import msgspec
 
 from coordinator.bus import Entry
-from coordinator.metrics import DROPPED_STALE, EVENTS_IN, EVENTS_OUT
+from coordinator.metrics import DROPPED_STALE, EVENTS_IN, EVENTS_OUT, PUBLISHES
 from coordinator.sessions import FenceView, fence_mismatch
 from schemas.errors import WireDecodeError
 from schemas.events import (
@@ -285,6 +285,7 @@ class SessionActor:
                 out_seq=self.out_seq,
             )  # fmt: skip
         if result.status is PublishStatus.OK:
+            PUBLISHES.inc(stage=self.ctx.stage)
             EVENTS_OUT.inc(len(events), stage=self.ctx.stage)
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)

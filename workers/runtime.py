@@ -172,8 +172,12 @@ class Worker:
             )
         for entry in entries:
             session_id = entry.fields.get(b"sid", b"").decode()
-            if session_id:
+            if session_id and self.state is WorkerState.RUNNING:
                 await self._take(session_id)
+            elif session_id:
+                # Read while stopping (a blocked read can return our own
+                # hand-backs): not ours to take, so queue it for the others.
+                await self.bus.client.xadd(stream, {"sid": session_id, "why": "requeue"})
             await self.bus.xack(stream, ASSIGN_GROUP, entry.id)
         self._note_activity(bool(entries))
 
@@ -196,6 +200,9 @@ class Worker:
             await self.bus.client.zrem(self.keys.lease_index(self.stage), session_id)
             return
         if lease is None:
+            return
+        if self.state is not WorkerState.RUNNING:
+            await self.ownership.release(lease, hand_back=True)  # stopped meanwhile
             return
         if lease.failover:
             FAILOVERS.inc(stage=self.stage)
