@@ -143,13 +143,10 @@ class PipelineConfig(_Model):
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON file into a mapping (by extension)."""
     path = Path(path)
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    elif path.suffix == ".toml":
-        data = tomllib.loads(text)
-    else:
+    if path.suffix not in (".json", ".toml"):
         raise ValueError(f"config {path} must be .toml or .json")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"config {path} must hold a table at the top level")
     return data

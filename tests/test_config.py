@@ -1,0 +1,101 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.config import (
+    PipelineConfig,
+    Settings,
+    echo_pipeline,
+    load_pipeline,
+)
+from schemas.keys import Keys
+
+
+def _stages(*specs):
+    return [
+        {"name": name, "input": source, "to_client": to_client} for name, source, to_client in specs
+    ]
+
+
+def test_chain_is_accepted_and_navigable():
+    pipeline = PipelineConfig(
+        stages=_stages(("thinker", "session", False), ("talker", "thinker", True))
+    )
+    assert pipeline.stage_names == ("thinker", "talker")
+    assert pipeline.downstream("thinker") == ("talker",)
+    assert pipeline.stage("talker").to_client
+    with pytest.raises(KeyError):
+        pipeline.stage("nope")
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        (_stages(("a", "session", True), ("a", "session", True)), "unique"),
+        (_stages(("a", "ghost", True)), "unknown stage"),
+        (_stages(("a", "a", True)), "own outputs"),
+        (_stages(("a", "b", True), ("b", "a", False)), "cycle"),
+        (_stages(("a", "session", False)), "at least one stage"),
+        (_stages(("session", "session", True)), "reserved"),
+        (_stages(("Bad-Name", "session", True)), "pattern"),
+        ([], "at least 1"),
+    ],
+)
+def test_bad_pipelines_are_refused(stages, message):
+    with pytest.raises(ValidationError, match=message):
+        PipelineConfig(stages=stages)
+
+
+def test_unknown_fields_and_backends_are_refused():
+    with pytest.raises(ValidationError):
+        PipelineConfig(stages=[{"name": "a", "to_client": True, "colour": "red"}])
+    with pytest.raises(ValidationError):
+        PipelineConfig(stages=[{"name": "a", "to_client": True, "backend": "magic"}])
+
+
+def test_load_pipeline_from_toml_and_json(tmp_path):
+    toml = tmp_path / "p.toml"
+    toml.write_text('[[stages]]\nname = "a"\nto_client = true\n')
+    assert load_pipeline(toml).stage_names == ("a",)
+    js = tmp_path / "p.json"
+    js.write_text(json.dumps({"stages": [{"name": "b", "to_client": True}]}))
+    assert load_pipeline(js).stage_names == ("b",)
+    with pytest.raises(ValueError, match=r"\.toml or \.json"):
+        load_pipeline(tmp_path / "p.yaml")
+
+
+def test_settings_env_overrides_are_validated():
+    settings = Settings().with_env({"DUPLEXQ_LEASE_TTL_MS": "5000", "OTHER": "x"})
+    assert settings.lease_ttl_ms == 5000
+    with pytest.raises(ValidationError):
+        Settings().with_env({"DUPLEXQ_LEASE_TTL_MS": "10"})
+    with pytest.raises(ValidationError):
+        Settings().with_env({"DUPLEXQ_KEY_PREFIX": "has space"})
+
+
+def test_every_settings_field_is_documented():
+    for name, field in Settings.model_fields.items():
+        assert field.description, name
+
+
+def test_echo_pipeline_chain():
+    pipeline = echo_pipeline("a", "b", "c")
+    assert [s.input for s in pipeline.stages] == ["session", "a", "b"]
+    assert [s.to_client for s in pipeline.stages] == [False, False, True]
+    assert all(s.backend == "echo" for s in pipeline.stages)
+
+
+def test_session_keys_share_one_hash_tag():
+    sk = Keys("dq").session("a{b}c")
+    tagged = [
+        sk.meta,
+        sk.input,
+        sk.control,
+        sk.client,
+        sk.progress,
+        sk.stage_out("x"),
+        sk.lease("x"),
+    ]
+    assert all(key.startswith("dq:{a{b}c}:") for key in tagged)
+    assert len(set(tagged)) == len(tagged)
