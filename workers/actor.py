@@ -153,7 +153,7 @@ class SessionActor:
             return
         if step is Step.DROP:
             await self._count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
-        elif step is Step.ABSORB:
+        elif step is Step.ABSORB and not self.backend.continuous_input:
             await self.backend.absorb(self.ctx, event)
         else:
             failpoint("after_read", event.seq)

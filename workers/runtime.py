@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -35,11 +36,13 @@ from enum import Enum, auto
 
 import redis.asyncio as aioredis
 
+from coordinator.authority import SessionAuthority
 from coordinator.bus import Entry, RedisBus
 from coordinator.metrics import FAILOVERS, OWNED_SESSIONS
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import WireDecodeError
 from schemas.events import OutputEvent, decode_control, decode_event, decode_output
+from schemas.fence import Fence
 from schemas.keys import ASSIGN_GROUP, Keys
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
@@ -85,6 +88,7 @@ class Worker:
         self.bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
         self.keys = self.bus.keys
         self.backend = backend or create_backend(self.stage_config)
+        self.authority = SessionAuthority(self.bus, pipeline)
         self.ownership = StageOwnership(
             self.bus, pipeline, stage, self.worker_id, settings.lease_ttl_ms
         )
@@ -209,6 +213,7 @@ class Worker:
             await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
             log.info("worker %s took over %s at %s", self.worker_id, session_id, lease.fence)
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
+        ctx.interrupt = functools.partial(self._interrupt, ctx)
         actor = SessionActor(lease, self.ownership, self.backend, ctx)
         inputs, outputs = await self._history(session_id, lease.read_id)
         await self.backend.start(ctx, inputs, outputs)
@@ -241,6 +246,15 @@ class Worker:
                 with contextlib.suppress(WireDecodeError):
                     outputs.append(decode_output(entry.fields[b"e"]))
         return inputs, outputs
+
+    async def _interrupt(self, ctx: StageContext, reason: str) -> Fence:
+        """A backend barges in: the same epoch bump a client cancel makes."""
+        result = await self.authority.cancel(
+            ctx.session_id, expect_epoch=ctx.fence.epoch, reason=reason
+        )
+        if result.fence.epoch > ctx.fence.epoch:
+            ctx.fence = ctx.fence.replace(epoch=result.fence.epoch)
+        return result.fence
 
     # -- serving -----------------------------------------------------------------
 

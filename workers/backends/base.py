@@ -9,7 +9,7 @@ was already applied. A backend only
 - ``handle``s one event, yielding drafts as they are ready (a streaming model
   yields one per step; a ``flush`` draft is published at once),
 - ``absorb``s an event that arrived before an interruption (context only,
-  nothing answers it),
+  nothing answers it) unless it declares ``continuous_input``,
 - ``release``s the work bound to a fence (barge-in, close, failover): abort
   engine requests, stop synthesis,
 - ``stop``s the session.
@@ -20,7 +20,7 @@ released; a backend must let that CancelledError through.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +43,9 @@ class StageContext:
     options: Mapping[str, Any]
     state: dict[str, Any] = field(default_factory=dict)
     """Backend-owned per-session state."""
+    interrupt: Callable[[str], Awaitable[Fence]] | None = None
+    """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
+    returns the new fence. Set by the runtime; a VAD hearing the user uses it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,10 @@ class StageBackend(Protocol):
     """What the worker runtime needs from a stage backend."""
 
     name: str
+    continuous_input: bool
+    """True for backends that process their input as one continuous signal (VAD,
+    ASR): inputs accepted before an interruption are handled, not absorbed, since
+    the speech that caused the interruption began before it."""
 
     async def start(
         self,

@@ -49,6 +49,7 @@ class EchoBackend:
     """Answers every event with its own content."""
 
     name = "echo"
+    continuous_input = False
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = options or {}
