@@ -41,6 +41,10 @@ class InputMode(StrEnum):
     """One duplex unit: an audio chunk and/or video frames that belong together."""
     TURN_COMMIT_ONLY = "turn_commit_only"
     """Ends the user's turn without adding content (the model may now respond)."""
+    CLEAR_AUDIO = "clear_audio"
+    """Drops audio buffered since the last commit (input_audio_buffer.clear)."""
+    PLAYBACK_ACK = "playback_ack"
+    """How far the client actually played a response; history is truncated there."""
 
 
 class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
@@ -77,8 +81,26 @@ class CommitPayload(msgspec.Struct, frozen=True, tag="commit"):
     pass
 
 
+class ClearPayload(msgspec.Struct, frozen=True, tag="clear"):
+    pass
+
+
+class PlaybackPayload(msgspec.Struct, frozen=True, tag="playback"):
+    """The client played ``played_ms`` of a response's audio (and stopped there)."""
+
+    response_id: str = ""
+    played_ms: NonNegative = 0
+
+
 Payload: TypeAlias = (
-    TokensPayload | TextPayload | AudioPayload | VideoPayload | UnitPayload | CommitPayload
+    TokensPayload
+    | TextPayload
+    | AudioPayload
+    | VideoPayload
+    | UnitPayload
+    | CommitPayload
+    | ClearPayload
+    | PlaybackPayload
 )
 
 PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
@@ -88,6 +110,8 @@ PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
     InputMode.APPEND_VIDEO_FRAME: VideoPayload,
     InputMode.APPEND_UNIT: UnitPayload,
     InputMode.TURN_COMMIT_ONLY: CommitPayload,
+    InputMode.CLEAR_AUDIO: ClearPayload,
+    InputMode.PLAYBACK_ACK: PlaybackPayload,
 }
 
 

@@ -65,7 +65,7 @@ class EchoBackend:
         ctx.state["rebuilt_inputs"] = len(inputs)
         ctx.state["rebuilt_outputs"] = len(outputs)
 
-    def _answer(self, event: StageEvent) -> tuple[OutputKind, Any]:
+    def _answer(self, event: StageEvent) -> tuple[OutputKind, Any] | None:
         if isinstance(event, OutputEvent):
             if event.kind is OutputKind.AUDIO_DELTA:
                 return event.kind, event.data
@@ -82,11 +82,15 @@ class EchoBackend:
         if isinstance(payload, UnitPayload):
             audio = payload.audio.data if payload.audio else b""
             return OutputKind.AUDIO_DELTA, audio
-        assert isinstance(payload, CommitPayload)
-        return OutputKind.DONE, ""
+        if isinstance(payload, CommitPayload):
+            return OutputKind.DONE, ""
+        return None  # clear / playback acks change no echo
 
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
-        kind, content = self._answer(event)
+        answer = self._answer(event)
+        if answer is None:
+            return
+        kind, content = answer
         source = {"source": event.seq}
         if isinstance(event, InputEvent):
             source["turn_seq"] = event.turn_seq

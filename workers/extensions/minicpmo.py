@@ -37,6 +37,7 @@ from schemas.errors import InvalidInputError, UnsupportedModeError
 from schemas.events import (
     PAYLOAD_FOR_MODE,
     AudioPayload,
+    CommitPayload,
     InputMode,
     Payload,
     TextPayload,
@@ -285,6 +286,8 @@ class MiniCPMOExtension:
                 first_append=first_append,
                 metadata=metadata,
             )
+        if not isinstance(payload, CommitPayload):
+            raise UnsupportedModeError(f"{mode.value} is not supported by {self.name}")
         # A turn commit appends nothing; the shell starts the response on "commit".
         metadata["commit"] = True
         return self._plan_literal(fence, mode, (), first_append, metadata)
