@@ -87,6 +87,7 @@ class RedisBus:
         self.renew_script = self._register(scripts.RENEW)
         self.release_script = self._register(scripts.RELEASE)
         self.publish_script = self._register(scripts.PUBLISH)
+        self.journal_script = self._register(scripts.JOURNAL)
 
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)
@@ -180,6 +181,35 @@ class RedisBus:
     async def trim_before(self, stream: str, min_id: str) -> int:
         """Drop entries older than ``min_id`` (XTRIM MINID, exact)."""
         return int(await self.client.xtrim(stream, minid=min_id, approximate=False))
+
+    async def trim_maxlen(self, stream: str, maxlen: int) -> int:
+        """Keep about the newest ``maxlen`` entries (XTRIM MAXLEN ~: whole nodes only)."""
+        return int(await self.client.xtrim(stream, maxlen=maxlen, approximate=True))
+
+    async def xlen(self, stream: str) -> int:
+        return int(await self.client.xlen(stream))
+
+    async def last_id(self, stream: str) -> str | None:
+        """Id of the newest entry, or None for an empty or missing stream."""
+        reply = await self.client.xrevrange(stream, count=1)
+        return _text(reply[0][0]) if reply else None
+
+    async def group_positions(self, stream: str) -> list[tuple[str, str, str | None]]:
+        """Each consumer group of ``stream``: (name, last delivered id, oldest pending id)."""
+        try:
+            groups = await self.client.xinfo_groups(stream)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return []
+            raise
+        positions: list[tuple[str, str, str | None]] = []
+        for group in groups:
+            name = _text(group["name"])
+            summary = await self.client.xpending(stream, name)
+            oldest = summary.get("min") if summary.get("pending") else None
+            delivered = _text(group["last-delivered-id"])
+            positions.append((name, delivered, _text(oldest) if oldest else None))
+        return positions
 
     async def hmget(self, key: str, fields: Sequence[str]) -> list[bytes | None]:
         reply = self.client.hmget(key, list(fields))

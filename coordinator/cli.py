@@ -1,7 +1,10 @@
 """The ``duplexq`` command line.
 
 duplexq up                 the whole stack on this machine (Redis, workers, control)
+duplexq coordinator        the client API: /v1/realtime, /healthz, /readyz, /metrics
 duplexq worker --stage S   one stage worker (same as ``python -m workers``)
+duplexq control            the control plane (lease audit, trimming, expiry, replays)
+duplexq replay SRC DST     replay a recorded session into a new one, compare outputs
 duplexq sessions [SID]     list open sessions, or one session's fence, owners and lag
 """
 
@@ -13,6 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
+from coordinator import control, replay
 from coordinator.bus import RedisBus
 from coordinator.inspect import inspect_session, list_sessions, render_session
 from coordinator.local_stack import LocalStack, demonstrate
@@ -63,6 +67,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coordinator.app import create_app
+
+    settings = load_settings(args.settings, args.redis_url)
+    pipeline = load_pipeline_or_echo(args.pipeline)
+    host = args.host or settings.host
+    port = settings.port if args.port is None else args.port
+    app = create_app(settings, pipeline)
+    uvicorn.run(
+        app, host=host, port=port, log_level=args.log_level, ws_max_size=settings.max_event_bytes
+    )
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     forwarded = ["--stage", args.stage]
     for flag in ("pipeline", "settings", "redis_url", "worker_id"):
@@ -110,12 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo-only", action="store_true", help="stop after the demonstration")
     up.set_defaults(func=cmd_up)
 
+    coordinator = commands.add_parser("coordinator", help="serve the client API")
+    _common(coordinator)
+    coordinator.add_argument("--host")
+    coordinator.add_argument("--port", type=int)
+    coordinator.add_argument("--log-level", default="warning")
+    coordinator.set_defaults(func=cmd_coordinator)
+
     worker = commands.add_parser("worker", help="run one stage worker")
     _common(worker)
     worker.add_argument("--stage", required=True)
     worker.add_argument("--worker-id")
     worker.add_argument("--burst", action="store_true")
     worker.set_defaults(func=cmd_worker)
+
+    control.add_commands(commands)
+    replay.add_commands(commands)
 
     sessions = commands.add_parser("sessions", help="list sessions or inspect one")
     _common(sessions)

@@ -1,0 +1,439 @@
+"""Replay: run a recorded session's input log again, into a new session, and compare.
+
+``replay_session`` reads the source's input log (``dq:{src}:in``) in order,
+opens the target session (with the source's input capabilities) and appends
+each input's mode and payload; the authority stamps fresh fences, seqs and
+timestamps. Inputs go as fast as possible or at the recorded pace (the gaps
+between their ``ts_ms``, divided by a speed factor). Progress is reported
+through an injectable callback. It then waits until the target's client
+journal holds as many outputs as the source's (or stays quiet for a while
+after its last output, or a timeout passes), compares the two, and closes
+the target so its keys expire like any closed session's.
+
+Only inputs are replayed: a cancel or barge-in the source received is not in
+its input log, so a source that was interrupted may legitimately differ.
+
+Outputs are compared as a client would have received them: a journal is
+judged like the output reader does (fence barriers, stale fences and
+duplicates dropped), and two outputs are equal when their stage, kind,
+text, data and token ids are; fences, seqs and timestamps are ignored, and
+so are the coordinator's own notices (they come from a client connection,
+which a replay does not have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import IO, Any, Literal
+
+from coordinator.authority import SessionAuthority
+from coordinator.bus import Entry, RedisBus
+from coordinator.sessions import FenceView
+from schemas.config import PipelineConfig
+from schemas.errors import (
+    DuplexqError,
+    SessionExistsError,
+    SessionNotFoundError,
+    WireDecodeError,
+)
+from schemas.events import (
+    InputEvent,
+    InputMode,
+    OutputEvent,
+    OutputKind,
+    decode_control,
+    decode_input,
+    decode_output,
+)
+from schemas.fence import Fence
+from schemas.keys import Keys
+
+Pace = Literal["fast", "recorded"]
+ProgressFn = Callable[[int, int], None]
+"""Called with (inputs appended, inputs to append) after each append."""
+SleepFn = Callable[[float], Awaitable[None]]
+
+PAGE = 256
+POLL_S = 0.05
+
+# -- comparing outputs (pure) ---------------------------------------------------------
+
+
+def output_key(event: OutputEvent) -> tuple[str, str, str, bytes, tuple[int, ...]]:
+    """What makes two outputs the same for a replay: (stage, kind, text, data, token ids)."""
+    return event.stage, event.kind.value, event.text, event.data, event.token_ids
+
+
+def summarize(event: OutputEvent | None) -> str:
+    """A short human description of one output."""
+    if event is None:
+        return "(none)"
+    text = event.text if len(event.text) <= 40 else event.text[:37] + "..."
+    return (
+        f"{event.stage}/{event.kind.value} text={text!r} data={len(event.data)}B "
+        f"tokens={len(event.token_ids)}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The first position where two sessions' outputs differ."""
+
+    index: int
+    source: str
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """How two sessions' client outputs compare."""
+
+    source_outputs: int
+    target_outputs: int
+    matched: int
+    """Leading outputs that are equal."""
+    first_mismatch: Mismatch | None
+
+    @property
+    def identical(self) -> bool:
+        return self.first_mismatch is None
+
+
+def compare_outputs(source: Sequence[OutputEvent], target: Sequence[OutputEvent]) -> Comparison:
+    """Compare two output sequences position by position."""
+    matched = 0
+    for a, b in zip(source, target, strict=False):
+        if output_key(a) != output_key(b):
+            break
+        matched += 1
+    mismatch = None
+    if matched < max(len(source), len(target)):
+        a_out = source[matched] if matched < len(source) else None
+        b_out = target[matched] if matched < len(target) else None
+        mismatch = Mismatch(matched, summarize(a_out), summarize(b_out))
+    return Comparison(len(source), len(target), matched, mismatch)
+
+
+class JournalView:
+    """Judges a client journal's entries in order, as the output reader does.
+
+    Coordinator notices (``OutputKind.NOTICE``: server events of the client
+    connection, not outputs of the pipeline) are judged but not returned: a
+    replay has no client connection, so they are not part of a comparison.
+    """
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._view: FenceView | None = None
+        self._last_seq: dict[str, int] = {}
+
+    def _start(self, fence: Fence) -> FenceView:
+        if self._view is None:
+            self._view = FenceView(Fence(self.session_id, fence.incarnation))
+        return self._view
+
+    def feed(self, entry: Entry) -> OutputEvent | None:
+        """The output a client would have received for ``entry``, if any."""
+        try:
+            if b"c" in entry.fields:
+                control = decode_control(entry.fields[b"c"])
+                self._start(control.cancelled or control.fence).observe(control.fence)
+                return None
+            output = decode_output(entry.fields.get(b"e", b""))
+        except WireDecodeError:
+            return None
+        view = self._start(output.fence)
+        if output.seq <= self._last_seq.get(output.stage, 0) or view.judge(output.fence):
+            return None
+        self._last_seq[output.stage] = output.seq
+        return None if output.kind is OutputKind.NOTICE else output
+
+
+async def client_outputs(bus: RedisBus, session_id: str) -> list[OutputEvent]:
+    """Everything a client following ``session_id`` from the start would have received."""
+    view = JournalView(session_id)
+    journal = bus.keys.session(session_id).client
+    outputs: list[OutputEvent] = []
+    start = "-"
+    while page := await bus.xrange(journal, start, "+", count=PAGE):
+        outputs += [out for out in map(view.feed, page) if out is not None]
+        start = "(" + page[-1].id
+    return outputs
+
+
+async def compare_sessions(bus: RedisBus, a: str, b: str) -> Comparison:
+    """Compare the client outputs of sessions ``a`` and ``b``."""
+    return compare_outputs(await client_outputs(bus, a), await client_outputs(bus, b))
+
+
+# -- pacing and progress (pure but for the printer's writes) ------------------------------
+
+
+def pace_delay(previous_ts: int | None, ts: int, speed: float) -> float:
+    """Seconds to wait before an input recorded at ``ts`` (ms) when the previous
+    one was at ``previous_ts``; unknown or backwards clocks wait nothing."""
+    if previous_ts is None or previous_ts <= 0 or ts <= previous_ts:
+        return 0.0
+    return (ts - previous_ts) / 1000 / speed
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    """``[#######.......]  45/100  45%``."""
+    fraction = done / total if total else 1.0
+    filled = round(width * fraction)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {fraction:4.0%}"
+
+
+class ProgressPrinter:
+    """Progress on a stream: a redrawn bar on a TTY, else a line per ``step`` percent."""
+
+    def __init__(self, stream: IO[str] | None = None, *, step: int = 10, label: str = "replay"):
+        self.stream = stream or sys.stderr
+        self.step = step
+        self.label = label
+        self._tty = self.stream.isatty()
+        self._reported = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._tty:
+            end = "\n" if done >= total else ""
+            self.stream.write(f"\r{self.label} {progress_bar(done, total)}{end}")
+            self.stream.flush()
+            return
+        bucket = (100 * done // total if total else 100) // self.step
+        if bucket > self._reported:
+            self._reported = bucket
+            self.stream.write(f"{self.label}: {min(bucket * self.step, 100)}% ({done}/{total})\n")
+            self.stream.flush()
+
+
+class LogProgress:
+    """Progress as log lines, one per ``step`` percent (for the control plane)."""
+
+    def __init__(self, label: str, logger: logging.Logger, *, step: int = 10) -> None:
+        self.label = label
+        self.logger = logger
+        self.step = step
+        self._reported = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        bucket = (100 * done // total if total else 100) // self.step
+        if bucket > self._reported:
+            self._reported = bucket
+            self.logger.info("%s: %d/%d inputs", self.label, done, total)
+
+
+# -- the replay ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """What a replay did and how the target's outputs compare with the source's."""
+
+    source: str
+    target: str
+    pipeline: str
+    pace: str
+    speed: float
+    inputs: int
+    """Inputs appended to the target."""
+    skipped: int
+    """Log entries that did not decode (not replayed)."""
+    first_seq: int
+    """Seq of the first replayed input; above 1 when the source log was trimmed."""
+    complete: bool
+    """Whether the target produced as many outputs as the source before the wait ended."""
+    comparison: Comparison
+    elapsed_s: float
+
+    @property
+    def identical(self) -> bool:
+        return self.complete and self.comparison.identical
+
+    def summary(self) -> str:
+        c = self.comparison
+        verdict = "identical" if self.identical else "DIFFERENT"
+        lines = [
+            f"replay {self.source} -> {self.target} ({self.pipeline}, {self.pace}"
+            f"{'' if self.pace == 'fast' else f' x{self.speed:g}'}): {verdict}",
+            f"  inputs {self.inputs} (skipped {self.skipped}, first seq {self.first_seq}), "
+            f"outputs {c.source_outputs} -> {c.target_outputs}, matched {c.matched}, "
+            f"{self.elapsed_s:.2f}s{'' if self.complete else ', target incomplete'}",
+        ]
+        if c.first_mismatch is not None:
+            m = c.first_mismatch
+            lines += [f"  first mismatch at {m.index}:", f"    source {m.source}",
+                      f"    target {m.target}"]  # fmt: skip
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for a job result or JSON)."""
+        data = asdict(self)
+        data["identical"] = self.identical
+        return data
+
+
+async def _input_pages(bus: RedisBus, stream: str, end: str) -> AsyncIterator[list[Entry]]:
+    start = "-"
+    while page := await bus.xrange(stream, start, end, count=PAGE):
+        yield page
+        start = "(" + page[-1].id
+
+
+async def _source_capabilities(bus: RedisBus, source: str) -> list[InputMode] | None:
+    raw = await bus.hmget(bus.keys.session(source).meta, ["caps"])
+    caps = (raw[0] or b"").decode()
+    return [InputMode(mode) for mode in caps.split()] or None
+
+
+async def _wait_outputs(
+    bus: RedisBus, target: str, expected: int, timeout_s: float, quiet_s: float
+) -> tuple[list[OutputEvent], bool]:
+    """Follow the target's journal until ``expected`` outputs, quiet or timeout."""
+    view = JournalView(target)
+    journal = bus.keys.session(target).client
+    outputs: list[OutputEvent] = []
+    start = "-"
+    last_growth = time.monotonic()
+    deadline = last_growth + timeout_s
+    while len(outputs) < expected:
+        page = await bus.xrange(journal, start, "+", count=PAGE)
+        if page:
+            start = "(" + page[-1].id
+            before = len(outputs)
+            outputs += [out for out in map(view.feed, page) if out is not None]
+            if len(outputs) > before:
+                last_growth = time.monotonic()
+            continue
+        now = time.monotonic()
+        if now >= deadline or (outputs and now - last_growth >= quiet_s):
+            return outputs, False
+        await asyncio.sleep(POLL_S)
+    return outputs, True
+
+
+async def replay_session(
+    bus: RedisBus,
+    pipeline: PipelineConfig,
+    source: str,
+    target: str,
+    *,
+    pace: Pace = "fast",
+    speed: float = 1.0,
+    progress: ProgressFn | None = None,
+    wait_timeout_s: float = 120.0,
+    quiet_s: float = 5.0,
+    close_target: bool = True,
+    closed_ttl_s: int = 3600,
+    sleep: SleepFn = asyncio.sleep,
+) -> ReplayReport:
+    """Replay ``source``'s input log into the new session ``target`` under
+    ``pipeline`` and compare their outputs; see the module docstring."""
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    began = time.monotonic()
+    sk = bus.keys.session(source)
+    total = await bus.xlen(sk.input)
+    end = await bus.last_id(sk.input)
+    if end is None and (await bus.hmget(sk.meta, ["status"]))[0] is None:
+        raise SessionNotFoundError(f"no session {source!r} to replay")
+    if (await bus.hmget(bus.keys.session(target).meta, ["status"]))[0] is not None:
+        # Opening a closed id would reopen it and wipe what it recorded.
+        raise SessionExistsError(f"replay target {target!r} exists; replay needs a new session id")
+    recorded = await client_outputs(bus, source)
+    authority = SessionAuthority(bus, pipeline)
+    await authority.open(target, await _source_capabilities(bus, source))
+    done = skipped = first_seq = 0
+    previous_ts: int | None = None
+    async for page in _input_pages(bus, sk.input, end or "+"):
+        for entry in page:
+            try:
+                event: InputEvent = decode_input(entry.fields.get(b"e", b""))
+            except WireDecodeError:
+                skipped += 1
+                continue
+            if pace == "recorded" and (delay := pace_delay(previous_ts, event.ts_ms, speed)):
+                await sleep(delay)
+            previous_ts = event.ts_ms
+            first_seq = first_seq or event.seq
+            await authority.append(target, event.mode, event.payload)
+            done += 1
+            if progress is not None:
+                progress(done + skipped, total)
+    outputs, complete = await _wait_outputs(bus, target, len(recorded), wait_timeout_s, quiet_s)
+    comparison = compare_outputs(recorded, outputs)
+    if close_target:
+        await authority.close(target, reason="replay done", ttl_s=closed_ttl_s)
+    return ReplayReport(
+        source=source, target=target, pipeline=pipeline.name, pace=pace, speed=speed,
+        inputs=done, skipped=skipped, first_seq=first_seq, complete=complete,
+        comparison=comparison, elapsed_s=time.monotonic() - began,
+    )  # fmt: skip
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``duplexq replay SOURCE TARGET [--pace fast|recorded] [--speed X] ...``."""
+    from coordinator.control import add_common_options
+
+    parser = subparsers.add_parser(
+        "replay", help="replay a session's input log into a new session and compare outputs"
+    )
+    add_common_options(parser)
+    parser.add_argument("source", help="recorded session id")
+    parser.add_argument("target", help="new session id to replay into")
+    parser.add_argument("--pace", choices=("fast", "recorded"), default="fast")
+    parser.add_argument("--speed", type=float, default=1.0, help="recorded pace divided by this")
+    parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for outputs (s)")
+    parser.add_argument("--keep-open", action="store_true", help="leave the target session open")
+    parser.add_argument(
+        "--enqueue", action="store_true", help="hand it to the control plane instead (arq job)"
+    )
+    parser.set_defaults(func=replay_command)
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
+    they differ, 2 when the replay could not run."""
+    from workers.__main__ import load_pipeline_or_echo, load_settings
+
+    settings = load_settings(args.settings, args.redis_url)
+    pipeline = load_pipeline_or_echo(args.pipeline)
+    if args.enqueue:
+        from coordinator.control import enqueue_replay
+
+        queued = asyncio.run(
+            enqueue_replay(
+                settings, args.source, args.target, pace=args.pace, speed=args.speed,
+                pipeline=pipeline if args.pipeline else None,
+            )
+        )  # fmt: skip
+        print("replay queued" if queued else "replay already requested")
+        return 0
+
+    async def run() -> ReplayReport:
+        bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        try:
+            return await replay_session(
+                bus, pipeline, args.source, args.target, pace=args.pace, speed=args.speed,
+                progress=ProgressPrinter(), wait_timeout_s=args.timeout,
+                close_target=not args.keep_open, closed_ttl_s=settings.closed_ttl_s,
+            )  # fmt: skip
+        finally:
+            await bus.aclose()
+
+    try:
+        report = asyncio.run(run())
+    except DuplexqError as exc:
+        print(f"replay failed: {exc.message}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0 if report.identical else 1

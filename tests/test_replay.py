@@ -1,0 +1,271 @@
+"""Replay: record a session through echo workers, replay it, compare the outputs."""
+
+import argparse
+import asyncio
+import io
+
+import pytest
+from arq.connections import RedisSettings, create_pool
+from arq.jobs import Job
+
+from coordinator.bus import Entry
+from coordinator.control import (
+    enqueue_replay,
+    job_deserializer,
+    queue_name,
+    replay_job_id,
+    run_control,
+)
+from coordinator.replay import (
+    JournalView,
+    ProgressPrinter,
+    add_commands,
+    compare_outputs,
+    compare_sessions,
+    pace_delay,
+    progress_bar,
+    replay_session,
+)
+from coordinator.service import Coordinator
+from schemas.config import echo_pipeline
+from schemas.errors import SessionExistsError, SessionNotFoundError
+from schemas.events import (
+    CommitPayload,
+    ControlEvent,
+    ControlKind,
+    InputMode,
+    OutputEvent,
+    OutputKind,
+    TextPayload,
+    encode_event,
+)
+from schemas.fence import Fence
+from tests.pipeline_helpers import collect, fast_settings, running_worker
+
+ECHO = echo_pipeline("echo")
+TEXTS = [f"hello-{i}" for i in range(5)]
+GAPS_MS = [100, 250, 50, 400, 300]
+"""Recorded gaps between the inputs (the commit comes last)."""
+
+
+def _chunked():
+    stage = ECHO.stages[0].model_copy(update={"options": {"chunks": 2}})
+    return ECHO.model_copy(update={"stages": (stage,)})
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def _out(text, *, stage="echo", kind=OutputKind.TEXT_DELTA, seq=1, fence=None, data=b""):
+    fence = fence or Fence("s")
+    return OutputEvent(fence, stage, kind, seq, text=text, data=data)
+
+
+def test_compare_outputs_ignores_fences_and_seqs():
+    a = [_out("x", seq=1), _out("y", seq=2)]
+    b = [_out("x", seq=7, fence=Fence("t", 3, 2)), _out("y", seq=9)]
+    result = compare_outputs(a, b)
+    assert result.identical and result.matched == 2
+
+
+@pytest.mark.parametrize(
+    ("b", "index", "target"),
+    [
+        ([_out("x"), _out("z")], 1, "'z'"),
+        ([_out("x")], 1, "(none)"),  # target stopped short
+        ([_out("x"), _out("y", stage="tts")], 1, "tts/"),
+        ([_out("x"), _out("y", data=b"1")], 1, "data=1B"),
+        ([_out("x"), _out("y", kind=OutputKind.DONE)], 1, "echo/done"),
+        ([_out("x"), _out("y"), _out("extra")], 2, "'extra'"),
+    ],
+)
+def test_compare_outputs_finds_the_first_mismatch(b, index, target):
+    result = compare_outputs([_out("x"), _out("y")], b)
+    assert not result.identical
+    assert result.first_mismatch.index == index == result.matched
+    assert target in result.first_mismatch.target
+
+
+def _entry(n, event):
+    field = b"c" if isinstance(event, ControlEvent) else b"e"
+    return Entry("j", f"{n}-0", {field: encode_event(event)})
+
+
+def test_journal_view_drops_what_the_reader_drops():
+    view = JournalView("s")
+    old = Fence("s", 0, 0)
+    cancel = ControlEvent(ControlKind.CANCEL, Fence("s", 0, 1), cancelled=old)
+    entries = [
+        _entry(1, _out("a", seq=1, fence=old)),
+        _entry(2, _out("a", seq=1, fence=old)),  # duplicate (a retried write)
+        _entry(3, cancel),
+        _entry(4, _out("late", seq=2, fence=old)),  # of the cancelled epoch
+        _entry(5, _out("b", seq=3, fence=Fence("s", 0, 1))),
+        Entry("j", "6-0", {b"e": b"\xc1garbage"}),
+        _entry(7, _out("{}", stage="coordinator", kind=OutputKind.NOTICE, fence=Fence("s", 0, 1))),
+        _entry(8, _out("c", seq=4, fence=Fence("s", 0, 1))),
+    ]
+    # The coordinator's notice is no pipeline output: it is never compared.
+    assert [o.text for o in map(view.feed, entries) if o is not None] == ["a", "b", "c"]
+
+
+def test_pace_delay():
+    assert pace_delay(None, 5000, 1.0) == 0.0
+    assert pace_delay(1000, 1250, 1.0) == pytest.approx(0.25)
+    assert pace_delay(1000, 1250, 10.0) == pytest.approx(0.025)
+    assert pace_delay(1000, 900, 1.0) == 0.0  # clock went backwards
+    assert pace_delay(0, 900, 1.0) == 0.0  # no recorded time
+
+
+def test_progress_bar_and_printer():
+    assert progress_bar(0, 4, width=4) == "[....] 0/4   0%"
+    assert progress_bar(2, 4, width=4) == "[##..] 2/4  50%"
+    assert progress_bar(0, 0, width=2) == "[##] 0/0 100%"
+    lines = io.StringIO()
+    printer = ProgressPrinter(lines, step=25)
+    for done in range(1, 9):
+        printer(done, 8)
+    assert lines.getvalue().splitlines() == [
+        "replay: 0% (1/8)",
+        "replay: 25% (2/8)",
+        "replay: 50% (4/8)",
+        "replay: 75% (6/8)",
+        "replay: 100% (8/8)",
+    ]
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = ProgressPrinter(tty)
+    bar(1, 2)
+    bar(2, 2)
+    assert tty.getvalue().startswith("\rreplay [") and tty.getvalue().endswith("2/2 100%\n")
+
+
+def test_replay_command_is_registered():
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", "a", "b", "--pace", "recorded", "--speed", "4"])
+    assert (args.source, args.target, args.pace, args.speed) == ("a", "b", "recorded", 4.0)
+    assert callable(args.func) and not args.enqueue
+    with pytest.raises(SystemExit):
+        parser.parse_args(["replay", "a", "b", "--pace", "slow"])
+
+
+# -- on Redis, with echo workers ---------------------------------------------------------------
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    return fast_settings(redis_server.url, key_prefix)
+
+
+@pytest.fixture
+async def coordinator(settings):
+    coordinator = Coordinator(settings, ECHO)
+    yield coordinator
+    await coordinator.aclose()
+
+
+async def _record(coordinator, session_id="src"):
+    """A session of five texts and a commit at known recorded times; six outputs."""
+    await coordinator.open(session_id)
+    ts = 1_000_000
+    inputs = [(InputMode.APPEND_TEXT, TextPayload(t)) for t in TEXTS]
+    inputs.append((InputMode.TURN_COMMIT_ONLY, CommitPayload()))
+    for (mode, payload), gap in zip(inputs, [0, *GAPS_MS], strict=True):
+        ts += gap
+        await coordinator.authority.append(session_id, mode, payload, ts_ms=ts)
+    return await collect(coordinator, 6)
+
+
+async def test_replay_fast_and_at_recorded_pace_reproduces_the_outputs(settings, coordinator):
+    bus = coordinator.bus
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+        seen = []
+        report = await replay_session(
+            bus, ECHO, "src", "fast1", progress=lambda done, total: seen.append((done, total))
+        )
+        assert report.identical, report.summary()
+        assert (report.inputs, report.skipped, report.first_seq) == (6, 0, 1)
+        c = report.comparison
+        assert (c.source_outputs, c.target_outputs, c.matched) == (6, 6, 6)
+        assert seen == [(n, 6) for n in range(1, 7)]
+
+        delays = []
+
+        async def fake_sleep(seconds):
+            delays.append(seconds)
+            await asyncio.sleep(0)
+
+        paced = await replay_session(
+            bus, ECHO, "src", "paced1", pace="recorded", speed=20.0, sleep=fake_sleep
+        )
+        assert paced.identical, paced.summary()
+        assert delays == pytest.approx([gap / 1000 / 20 for gap in GAPS_MS])
+        assert (await compare_sessions(bus, "src", "paced1")).identical
+    # The targets were closed once compared; the source is untouched.
+    assert (await coordinator.authority.status("fast1"))["status"] == "closed"
+    assert (await coordinator.authority.status("src"))["status"] == "open"
+    assert "identical" in report.summary() and report.to_dict()["identical"] is True
+
+
+async def test_replay_into_a_different_pipeline_reports_the_mismatch(settings, coordinator):
+    bus = coordinator.bus
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+    await coordinator.close("src")  # so the next pipeline's worker has nothing to take over
+    chunked = _chunked()
+    async with running_worker(settings, chunked, "echo"):
+        report = await replay_session(bus, chunked, "src", "chunky", quiet_s=1.0)
+    assert not report.identical
+    mismatch = report.comparison.first_mismatch
+    assert mismatch.index == 0 and report.comparison.matched == 0
+    assert "'hello-0'" in mismatch.source and "'hell'" in mismatch.target
+    assert report.comparison.target_outputs >= 6
+    assert "first mismatch at 0" in report.summary()
+    again = await compare_sessions(bus, "src", "chunky")
+    # The target was closed once it had as many outputs as the source: 6 to 11 of them.
+    assert again.first_mismatch.index == 0 and 6 <= again.target_outputs <= 11
+
+
+async def test_replay_needs_a_known_source_and_a_new_target(coordinator):
+    with pytest.raises(SessionNotFoundError):
+        await replay_session(coordinator.bus, ECHO, "nobody", "t")
+    await coordinator.open("src")
+    await coordinator.open("old")
+    await coordinator.close("old")
+    with pytest.raises(SessionExistsError):
+        await replay_session(coordinator.bus, ECHO, "src", "old")  # never reopens a record
+    with pytest.raises(ValueError, match="speed"):
+        await replay_session(coordinator.bus, ECHO, "nobody", "t", speed=0)
+
+
+async def test_replay_job_runs_once_on_the_control_plane(settings, coordinator):
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+        assert await enqueue_replay(settings, "src", "job1")
+        assert not await enqueue_replay(settings, "src", "job1")  # a duplicate does nothing
+        worker = await run_control(settings, ECHO, burst=True, handle_signals=False)
+    assert worker.jobs_failed == 0 and worker.jobs_complete == 4  # replay + 3 periodic
+    pool = await create_pool(
+        RedisSettings.from_dsn(settings.redis_url), job_deserializer=job_deserializer
+    )
+    try:
+        job = Job(
+            replay_job_id(settings, "src", "job1"),
+            pool,
+            _queue_name=queue_name(settings),
+            _deserializer=job_deserializer,
+        )
+        info = await job.result_info()
+    finally:
+        await pool.aclose()
+    assert info is not None and info.success
+    assert info.result["identical"] is True and info.result["target"] == "job1"
+    assert info.result["comparison"]["matched"] == 6
+    # Done within the result's lifetime: asking again still does nothing.
+    assert not await enqueue_replay(settings, "src", "job1")
