@@ -8,6 +8,7 @@ it on the same session at once.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -24,7 +25,7 @@ from schemas.errors import (
     SessionNotFoundError,
     UnsupportedModeError,
 )
-from schemas.events import PAYLOAD_FOR_MODE, InputMode, Payload
+from schemas.events import PAYLOAD_FOR_MODE, InputMode, OutputKind, Payload
 from schemas.fence import Fence, require_fence
 
 _tail_encoder = msgspec.msgpack.Encoder()
@@ -210,3 +211,26 @@ class SessionAuthority:
     async def status(self, session_id: str) -> dict[str, str]:
         """The session's authority hash, decoded (for inspection tools)."""
         return await self.bus.hgetall(self.bus.keys.session(session_id).meta)
+
+    async def journal(self, session_id: str, event: dict[str, Any]) -> int:
+        """Append a coordinator notice (a server event as JSON) to the client journal;
+        returns its server_event_seq."""
+        sk = self.bus.keys.session(session_id)
+        tail = _tail_encoder.encode(
+            {
+                "stage": "coordinator",
+                "kind": OutputKind.NOTICE.value,
+                "source_seq": 0,
+                "text": json.dumps(event, separators=(",", ":")),
+                "data": b"",
+                "token_ids": [],
+                "meta": {},
+                "ts_ms": now_ms(),
+            }
+        )[1:]
+        reply = await self.bus.run(
+            self.bus.journal_script, [sk.meta, sk.client], [session_id, tail]
+        )
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        return int(reply[1])

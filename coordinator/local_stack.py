@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _env_for(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({f"DUPLEXQ_{k.upper()}": str(v) for k, v in settings.model_dump().items()})
+    env.update(settings.to_env())
     return env
 
 

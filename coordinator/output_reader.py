@@ -15,8 +15,9 @@ before its barrier has been read from the journal.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from coordinator.bus import Entry, RedisBus
@@ -36,12 +37,42 @@ class Delivery(NamedTuple):
     entry_id: str
 
 
-@dataclass
-class _Follow:
-    view: FenceView
-    cursor: str
-    last_seq: dict[str, int] = field(default_factory=dict)
-    """Highest output seq delivered per stage, to drop duplicates."""
+class JournalFollower:
+    """The judging state of one session's journal, read in order."""
+
+    def __init__(self, session_id: str, fence: Fence, cursor: str = "0-0") -> None:
+        self.session_id = session_id
+        self.view = FenceView(fence)
+        self.cursor = cursor
+        self.last_seq: dict[str, int] = {}
+        """Highest output seq delivered per stage, to drop duplicates."""
+        self.dropped: Counter[str] = Counter()
+
+    def judge(self, entry: Entry) -> Delivery | None:
+        """The delivery for ``entry``, or None when it is dropped (and counted)."""
+        self.cursor = entry.id
+        try:
+            if b"c" in entry.fields:
+                control = decode_control(entry.fields[b"c"])
+                self.view.observe(control.fence)
+                return Delivery(self.session_id, control, 0, entry.id)
+            output = decode_output(entry.fields.get(b"e", b""))
+        except WireDecodeError:
+            self._drop("undecodable", "")
+            return None
+        if output.seq <= self.last_seq.get(output.stage, 0):
+            self._drop("duplicate", output.stage)
+            return None
+        reason = self.view.judge(output.fence)
+        if reason is not None:
+            self._drop(reason.value, output.stage)
+            return None
+        self.last_seq[output.stage] = output.seq
+        return Delivery(self.session_id, output, int(entry.fields.get(b"n", b"0")), entry.id)
+
+    def _drop(self, reason: str, stage: str) -> None:
+        self.dropped[reason] += 1
+        DROPPED_STALE.inc(stage=stage or "client", reason=reason)
 
 
 class OutputReader:
@@ -51,16 +82,38 @@ class OutputReader:
         self.bus = bus
         self.block_ms = block_ms
         self.batch = batch
-        self.dropped: Counter[str] = Counter()
-        self._follows: dict[str, _Follow] = {}
+        self._follows: dict[str, JournalFollower] = {}
+        self._retired: Counter[str] = Counter()
         self._conn = bus.reader(block_ms)
+        self._attached = asyncio.Event()
 
-    def attach(self, session_id: str, fence: Fence, *, after: str = "0-0") -> None:
-        """Follow ``session_id``'s journal after entry ``after``, judging against ``fence``."""
-        self._follows[session_id] = _Follow(FenceView(fence), after)
+    @property
+    def dropped(self) -> Counter[str]:
+        """Drops by reason, over every session this reader followed."""
+        total = Counter(self._retired)
+        for follow in self._follows.values():
+            total.update(follow.dropped)
+        return total
+
+    def attach(
+        self,
+        session_id: str,
+        fence: Fence,
+        *,
+        after: str = "0-0",
+        follower: JournalFollower | None = None,
+    ) -> None:
+        """Follow ``session_id``'s journal after entry ``after``, judging against ``fence``
+        (or continue with ``follower``'s state, as a resume does)."""
+        if follower is None:
+            follower = JournalFollower(session_id, fence, after)
+        self._follows[session_id] = follower
+        self._attached.set()
 
     def detach(self, session_id: str) -> None:
-        self._follows.pop(session_id, None)
+        follow = self._follows.pop(session_id, None)
+        if follow is not None:
+            self._retired.update(follow.dropped)
 
     def advance(self, fence: Fence) -> None:
         """Out-of-band fence news (a cancel this process acknowledged)."""
@@ -73,43 +126,23 @@ class OutputReader:
 
     async def read(self, block_ms: int | None = None) -> list[Delivery]:
         """One round: everything new across attached sessions, stale items removed."""
-        streams = {self.bus.keys.session(sid).client: f.cursor for sid, f in self._follows.items()}
-        owners = {self.bus.keys.session(sid).client: sid for sid in self._follows}
-        entries = await self.bus.xread(
-            self._conn, streams, self.batch, self.block_ms if block_ms is None else block_ms
-        )
+        wait_ms = self.block_ms if block_ms is None else block_ms
+        if not self._follows:
+            # Nothing to follow: wait for an attach instead of spinning.
+            self._attached.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._attached.wait(), wait_ms / 1000)
+            return []
+        follows = dict(self._follows)
+        streams = {self.bus.keys.session(sid).client: f.cursor for sid, f in follows.items()}
+        owners = {self.bus.keys.session(sid).client: f for sid, f in follows.items()}
+        entries = await self.bus.xread(self._conn, streams, self.batch, wait_ms)
         delivered: list[Delivery] = []
         for entry in entries:
-            session_id = owners.get(entry.stream)
-            follow = self._follows.get(session_id or "")
-            if session_id is None or follow is None:
-                continue
-            follow.cursor = entry.id
-            item = self._judge(session_id, follow, entry)
+            follow = owners.get(entry.stream)
+            if follow is None or self._follows.get(follow.session_id) is not follow:
+                continue  # detached meanwhile
+            item = follow.judge(entry)
             if item is not None:
                 delivered.append(item)
         return delivered
-
-    def _judge(self, session_id: str, follow: _Follow, entry: Entry) -> Delivery | None:
-        try:
-            if b"c" in entry.fields:
-                control = decode_control(entry.fields[b"c"])
-                follow.view.observe(control.fence)
-                return Delivery(session_id, control, 0, entry.id)
-            output = decode_output(entry.fields.get(b"e", b""))
-        except WireDecodeError:
-            self._drop("undecodable", "")
-            return None
-        if output.seq <= follow.last_seq.get(output.stage, 0):
-            self._drop("duplicate", output.stage)
-            return None
-        reason = follow.view.judge(output.fence)
-        if reason is not None:
-            self._drop(reason.value, output.stage)
-            return None
-        follow.last_seq[output.stage] = output.seq
-        return Delivery(session_id, output, int(entry.fields.get(b"n", b"0")), entry.id)
-
-    def _drop(self, reason: str, stage: str) -> None:
-        self.dropped[reason] += 1
-        DROPPED_STALE.inc(stage=stage or "client", reason=reason)

@@ -75,7 +75,8 @@ elseif inc < 0 then
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'open', 'inc', inc, 'epoch', 0, 'turn', 0, 'resp', 0,
-  'seq', 0, 'tseq', 0, 'tkey', '', 'oseq', 0, 'caps', ARGV[2], 'opened_ms', ARGV[3])
+  'seq', 0, 'tseq', 0, 'tkey', '', 'oseq', 0, 'caps', ARGV[2], 'opened_ms', ARGV[3],
+  'inc0', inc)
 local fence = pack_fence(ARGV[1], inc, 0, 0, 0)
 redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonumber(ARGV[3])))
 return {'ok', inc}
@@ -240,4 +241,24 @@ if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') t
 end
 if tonumber(ARGV[9]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV[9]) end
 return {'ok', last_sn}
+"""
+
+# KEYS: meta out
+# ARGV: sid tail
+# A coordinator notice into the client journal, stamped with the session's
+# current fence and the next server_event_seq (also its output seq), so it is
+# ordered with the stages' outputs and replayed on resume like them. ``tail``
+# is the msgpack of the OutputEvent entries other than t, fence and seq.
+JOURNAL = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+if not m[1] then return {'missing'} end
+local n = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
+local event = string.char(0x8b)
+  .. cmsgpack.pack('t') .. cmsgpack.pack('out')
+  .. cmsgpack.pack('fence') .. pack_fence(ARGV[1], tonumber(m[2]), tonumber(m[3]),
+    tonumber(m[4]), tonumber(m[5]))
+  .. cmsgpack.pack('seq') .. cmsgpack.pack(n)
+  .. ARGV[2]
+redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
+return {'ok', n}
 """

@@ -58,14 +58,44 @@ class Settings(_Model):
     """Seconds a closed session's keys are kept (for replay and late readers)."""
     max_sessions: int = Field(10_000, ge=1)
     """Most sessions one coordinator serves at once."""
+    host: str = "127.0.0.1"
+    """Address the coordinator's HTTP/WebSocket server binds."""
+    port: int = Field(8080, ge=0, le=65535)
+    """Port of the coordinator's HTTP/WebSocket server (0: any free port)."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted API keys (Bearer header or ``api_key`` query parameter); comma-separated
+    in ``DUPLEXQ_API_KEYS``."""
+    allow_anonymous: bool = False
+    """Serve clients without an API key. Off unless explicitly enabled."""
+    max_event_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    """Largest client event accepted; bigger ones get ``event_too_large``."""
+    max_pending_input_bytes: int = Field(8 << 20, ge=1024)
+    """Input bytes a session may have accepted but not yet applied by its first stages;
+    beyond it appends get ``input_backpressure``."""
+    resume_grace_s: int = Field(60, ge=0, le=86_400)
+    """How long a session without a connection is kept for ``session.resume``."""
+    first_event_wait_ms: int = Field(300, ge=0, le=10_000)
+    """How long a new connection waits for a ``session.resume`` before opening a session."""
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as ``DUPLEXQ_*`` variables (what ``with_env`` reads back)."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            text = ",".join(value) if isinstance(value, tuple) else str(value)
+            env[f"DUPLEXQ_{name.upper()}"] = text
+        return env
 
     def with_env(self, environ: Mapping[str, str] | None = None) -> Settings:
         """A copy with ``DUPLEXQ_<FIELD>`` environment overrides applied and validated."""
         env = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
-        for name in type(self).model_fields:
+        for name, field in type(self).model_fields.items():
             raw = env.get(f"DUPLEXQ_{name.upper()}")
-            if raw is not None:
+            if raw is None:
+                continue
+            if field.annotation == tuple[str, ...]:
+                changes[name] = tuple(part.strip() for part in raw.split(",") if part.strip())
+            else:
                 changes[name] = raw
         if not changes:
             return self

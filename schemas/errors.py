@@ -10,9 +10,14 @@ Hierarchy::
     │   └── SessionClosedError        session_closed: reopen needs a higher incarnation
     ├── ResourceExhaustedError        resource_exhausted (retryable): a capacity limit
     ├── InputBackpressureError        input_backpressure (retryable): too much pending input
-    └── InvalidInputError             a client or wire input that failed validation
-        ├── UnsupportedModeError      unsupported_mode (also a ValueError, "not supported")
-        └── WireDecodeError           invalid_wire_event: bytes from Redis that do not decode
+    ├── InvalidInputError             a client or wire input that failed validation
+    │   ├── UnsupportedModeError      unsupported_mode (also a ValueError, "not supported")
+    │   ├── WireDecodeError           invalid_wire_event: bytes from Redis that do not decode
+    │   └── ProtocolError             a client event refused at the edge; its code says why:
+    │                                 invalid_json, unknown_event, invalid_event,
+    │                                 event_too_large, invalid_base64, invalid_audio,
+    │                                 invalid_image
+    └── AuthError                     unauthorized / resume_failed
 
 Third-party exceptions are translated where they enter duplexq
 (``raise WireDecodeError(...) from exc``), so callers only catch these.
@@ -35,6 +40,16 @@ class ErrorCode(StrEnum):
     INVALID_INPUT = "invalid_input"
     UNSUPPORTED_MODE = "unsupported_mode"
     INVALID_WIRE_EVENT = "invalid_wire_event"
+    INVALID_JSON = "invalid_json"
+    UNKNOWN_EVENT = "unknown_event"
+    INVALID_EVENT = "invalid_event"
+    EVENT_TOO_LARGE = "event_too_large"
+    INVALID_BASE64 = "invalid_base64"
+    INVALID_AUDIO = "invalid_audio"
+    INVALID_IMAGE = "invalid_image"
+    UNAUTHORIZED = "unauthorized"
+    RESUME_FAILED = "resume_failed"
+    STAGE_ERROR = "stage_error"
 
 
 class DuplexqError(Exception):
@@ -100,3 +115,19 @@ class UnsupportedModeError(InvalidInputError, ValueError):
 
 class WireDecodeError(InvalidInputError, ValueError):
     code = ErrorCode.INVALID_WIRE_EVENT
+
+
+class ProtocolError(InvalidInputError):
+    """A client event refused at the edge; the connection and session stay up."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AuthError(DuplexqError):
+    code = ErrorCode.UNAUTHORIZED
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNAUTHORIZED) -> None:
+        super().__init__(message)
+        self.code = code

@@ -145,6 +145,9 @@ class OutputKind(StrEnum):
     SPEECH_STOPPED = "speech_stopped"
     DONE = "done"
     ERROR = "error"
+    NOTICE = "notice"
+    """A coordinator's own server event (``text`` names its type, ``meta`` its fields),
+    journaled like outputs so a resumed client misses none."""
 
 
 class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):

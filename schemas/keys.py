@@ -23,6 +23,7 @@ dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
 dq:workers:{stage}          zset    worker id -> last heartbeat (ms)
 dq:wake:{worker}            stream  wakes a worker's blocking reads (capped)
+dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
 dq:sessions                 zset    open session ids -> opened at (ms)
 dq:metrics                  hash    counters shared by all processes
 ==========================  ======  =============================================
@@ -86,6 +87,10 @@ class Keys:
     def wake(self, worker_id: str) -> str:
         """A worker's own stream; writing to it ends the worker's blocking reads early."""
         return f"{self.prefix}:wake:{worker_id}"
+
+    def resume(self, token_digest: str) -> str:
+        """Resume-token index: sha256 of a session's resume token -> session id."""
+        return f"{self.prefix}:resume:{token_digest}"
 
     @property
     def sessions(self) -> str:

@@ -99,3 +99,8 @@ def test_session_keys_share_one_hash_tag():
     ]
     assert all(key.startswith("dq:{a{b}c}:") for key in tagged)
     assert len(set(tagged)) == len(tagged)
+
+
+def test_settings_round_trip_through_the_environment():
+    settings = Settings(api_keys=("k1", "k2"), allow_anonymous=True, lease_ttl_ms=3000)
+    assert Settings().with_env(settings.to_env()) == settings

@@ -1,0 +1,87 @@
+"""The coordinator's ASGI app: ``/v1/realtime``, health, readiness and metrics.
+
+Served by uvicorn (``duplexq coordinator``). One ``Hub`` per process: the
+journal reader loop starts and stops with the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from coordinator.connection import Connection, Hub
+from coordinator.metrics import REGISTRY
+from schemas.config import PipelineConfig, Settings
+from schemas.errors import AuthError
+
+_BEARER = "bearer "
+
+
+def presented_key(headers: dict[str, str], query: dict[str, str]) -> str | None:
+    """The API key a client presented: ``Authorization: Bearer`` or ``?api_key=``."""
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith(_BEARER):
+        return auth[len(_BEARER) :].strip() or None
+    return query.get("api_key") or None
+
+
+def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
+    hub = Hub(settings, pipeline)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(hub.run(), name="journal reader")
+        try:
+            yield
+        finally:
+            await hub.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def realtime(websocket: WebSocket) -> None:
+        try:
+            hub.check_key(presented_key(dict(websocket.headers), dict(websocket.query_params)))
+        except AuthError:
+            await websocket.close(code=1008, reason="unauthorized")
+            return
+        await websocket.accept()
+        await Connection(hub, websocket).serve()
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        bus = hub.coordinator.bus
+        redis_ok = await bus.ping()
+        workers: dict[str, int] = {}
+        if redis_ok:
+            fresh = time.time() * 1000 - 5 * settings.heartbeat_ms
+            for stage in pipeline.stage_names:
+                workers[stage] = await bus.client.zcount(bus.keys.workers(stage), fresh, "+inf")
+        ready = redis_ok and all(workers.values()) and len(workers) == len(pipeline.stages)
+        body = {"ready": ready, "redis": redis_ok, "workers": workers}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(REGISTRY.render(), media_type="text/plain; version=0.0.4")
+
+    app = Starlette(
+        routes=[
+            WebSocketRoute("/v1/realtime", realtime),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/metrics", metrics),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.hub = hub
+    return app

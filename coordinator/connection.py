@@ -1,0 +1,375 @@
+"""One client connection on ``/v1/realtime``, and the hub that feeds them.
+
+The hub owns this process's ``Coordinator`` and one journal reader loop that
+routes every delivery to the queue of the connection serving its session.
+A connection authenticates, opens (or resumes) a session, then runs two
+tasks: ``receive`` (client events -> session log, in order) and ``pump``
+(journal -> server events). A bad event gets an ``error`` with a stable code
+and the connection goes on; nothing already accepted is touched.
+
+On disconnect the session is kept for ``resume_grace_s``; a
+``session.resume`` with its token (on this or any coordinator process)
+receives every journal event after ``last_received_server_event_seq``, then
+live ones. When the grace ends without a resume the session is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import secrets
+from collections import deque
+from typing import Any, Protocol
+
+from coordinator.output_reader import Delivery
+from coordinator.realtime import (
+    ServerEventTranslator,
+    audio_payload,
+    error_event,
+    image_payload,
+    parse_client_event,
+)
+from coordinator.resume import replay_journal
+from coordinator.service import Coordinator
+from schemas.config import PipelineConfig, Settings
+from schemas.errors import (
+    AuthError,
+    DuplexqError,
+    ErrorCode,
+    InputBackpressureError,
+    ProtocolError,
+    ResourceExhaustedError,
+)
+from schemas.events import (
+    ClearPayload,
+    CommitPayload,
+    InputMode,
+    OutputEvent,
+    Payload,
+    PlaybackPayload,
+    TextPayload,
+)
+from schemas.realtime import (
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    BargeIn,
+    ClientEvent,
+    ItemCreate,
+    PlaybackAck,
+    ResponseCancel,
+    ResponseCreate,
+    SessionConfig,
+    SessionResume,
+    SessionUpdate,
+    VideoAppend,
+)
+
+log = logging.getLogger("duplexq.coordinator")
+
+
+class Socket(Protocol):
+    """The part of a WebSocket a connection uses (Starlette's fits)."""
+
+    async def receive_text(self) -> str: ...
+    async def send_json(self, data: Any) -> None: ...
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def terminal_stages(pipeline: PipelineConfig) -> tuple[str, ...]:
+    """Client-facing stages no other client-facing stage reads from (chain ends)."""
+    feeding = {stage.input for stage in pipeline.stages if stage.to_client}
+    return tuple(s.name for s in pipeline.stages if s.to_client and s.name not in feeding)
+
+
+class Hub:
+    """This process's coordinator, journal reader loop and connection registry."""
+
+    def __init__(self, settings: Settings, pipeline: PipelineConfig) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.coordinator = Coordinator(settings, pipeline)
+        self.terminal = terminal_stages(pipeline)
+        self.queues: dict[str, asyncio.Queue[Delivery]] = {}
+        self.graces: dict[str, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+
+    def check_key(self, presented: str | None) -> None:
+        if self.settings.allow_anonymous and not presented:
+            return
+        if presented and any(hmac.compare_digest(presented, key) for key in self.settings.api_keys):
+            return
+        raise AuthError("a valid API key is required")
+
+    def reserve(self) -> None:
+        if len(self.queues) >= self.settings.max_sessions:
+            raise ResourceExhaustedError(
+                f"this coordinator serves {self.settings.max_sessions} sessions; retry later"
+            )
+
+    async def run(self) -> None:
+        """Route journal deliveries to connections until ``stop``."""
+        while not self._stopping.is_set():
+            try:
+                deliveries = await self.coordinator.outputs()
+            except Exception:
+                log.exception("journal reader failed; retrying")
+                await asyncio.sleep(0.2)
+                continue
+            for delivery in deliveries:
+                queue = self.queues.get(delivery.session_id)
+                if queue is not None:
+                    queue.put_nowait(delivery)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self.graces.values():
+            task.cancel()
+        for task in list(self.graces.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.coordinator.aclose()
+
+    def detach(self, session_id: str) -> None:
+        """The connection went away: keep the session for the grace period."""
+        self.queues.pop(session_id, None)
+        self.coordinator.reader.detach(session_id)
+        self.graces[session_id] = asyncio.create_task(self._expire(session_id))
+
+    async def _expire(self, session_id: str) -> None:
+        try:
+            await asyncio.sleep(self.settings.resume_grace_s)
+            if session_id not in self.queues:
+                await self.coordinator.close(session_id, reason="detached")
+                log.info("session %s closed after the resume grace period", session_id)
+        except DuplexqError:
+            pass  # closed or moved meanwhile
+        finally:
+            self.graces.pop(session_id, None)
+
+
+class Connection:
+    """One WebSocket client: its session, its event order, its errors."""
+
+    def __init__(self, hub: Hub, socket: Socket) -> None:
+        self.hub = hub
+        self.socket = socket
+        self.coordinator = hub.coordinator
+        self.session_id = ""
+        self.config = SessionConfig()
+        self.translator = ServerEventTranslator(hub.terminal)
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.min_epoch = 0
+        self.uncommitted = False
+        self._pending: deque[tuple[int, int]] = deque()
+        self._pending_bytes = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Run until the client goes; the socket is already accepted."""
+        first = await self._first_event()
+        try:
+            if isinstance(first, SessionResume):
+                await self._resume(first)
+                first = None
+            else:
+                await self._open()
+        except DuplexqError as exc:
+            await self.socket.send_json(
+                {**error_event(exc.code.value, exc.message), "server_event_seq": 0}
+            )
+            await self.socket.close(code=1008 if isinstance(exc, AuthError) else 1011)
+            return
+        try:
+            async with asyncio.TaskGroup() as group:
+                pump = group.create_task(self._pump())
+                if first is not None:
+                    await self._handle(first)
+                await self._receive()
+                pump.cancel()
+        finally:
+            self.hub.detach(self.session_id)
+
+    async def _first_event(self) -> ClientEvent | None:
+        wait_s = self.hub.settings.first_event_wait_ms / 1000
+        try:
+            raw = await asyncio.wait_for(self.socket.receive_text(), wait_s)
+        except TimeoutError:
+            return None
+        try:
+            return parse_client_event(raw, self.hub.settings.max_event_bytes)
+        except ProtocolError as exc:
+            self._early_error = exc
+            return None
+
+    async def _open(self) -> None:
+        self.hub.reserve()
+        self.session_id = f"sess_{secrets.token_hex(12)}"
+        token = secrets.token_urlsafe(32)
+        fence = await self.coordinator.open(self.session_id)
+        bus = self.coordinator.bus
+        await bus.client.set(bus.keys.resume(token_hash(token)), self.session_id, ex=86_400)
+        self.hub.queues[self.session_id] = self.queue
+        await self.socket.send_json(
+            {
+                "type": "session.created",
+                "server_event_seq": 0,
+                "session": {"id": self.session_id, **self.config.model_dump(mode="json")},
+                "resume_token": token,
+                "fence": {"incarnation": fence.incarnation, "epoch": 0, "turn_id": 0,
+                          "response_seq": 0},
+            }
+        )  # fmt: skip
+        early = getattr(self, "_early_error", None)
+        if early is not None:
+            await self._error(early)
+
+    async def _resume(self, event: SessionResume) -> None:
+        session_id = await self._session_for_token(event.resume_token)
+        self.hub.reserve()
+        grace = self.hub.graces.pop(session_id, None)
+        if grace is not None:
+            grace.cancel()
+        self.session_id = session_id
+        replay = await replay_journal(
+            self.coordinator, session_id, event.last_received_server_event_seq, self.translator
+        )
+        self.hub.queues[session_id] = self.queue
+        self.coordinator.reader.attach(
+            session_id, replay.follower.view.current, follower=replay.follower
+        )
+        await self.socket.send_json(
+            {"type": "session.resumed", "server_event_seq": replay.last_seq,
+             "session": {"id": session_id}}
+        )  # fmt: skip
+        for server_event in replay.events:
+            await self.socket.send_json(server_event)
+
+    async def _session_for_token(self, token: str) -> str:
+        bus = self.coordinator.bus
+        raw = await bus.client.get(bus.keys.resume(token_hash(token)))
+        if raw is None:
+            raise AuthError("resume token is unknown or expired", ErrorCode.RESUME_FAILED)
+        return bytes(raw).decode()
+
+    # -- client -> session ----------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                raw = await self.socket.receive_text()
+            except Exception:  # the client went away (WebSocketDisconnect and kin)
+                return
+            try:
+                event = parse_client_event(raw, self.hub.settings.max_event_bytes)
+                await self._handle(event)
+            except DuplexqError as exc:
+                await self._error(exc)
+
+    async def _error(self, exc: DuplexqError) -> None:
+        await self.coordinator.authority.journal(
+            self.session_id, error_event(exc.code.value, exc.message)
+        )
+
+    async def _handle(self, event: ClientEvent) -> None:
+        sid = self.session_id
+        if isinstance(event, SessionUpdate):
+            self.config = event.session
+            await self._notice("session.updated", session=event.session.model_dump(mode="json"))
+        elif isinstance(event, AudioAppend):
+            await self._append(
+                InputMode.APPEND_AUDIO_CHUNK, audio_payload(event.audio, self.config)
+            )
+        elif isinstance(event, VideoAppend):
+            await self._append(
+                InputMode.APPEND_VIDEO_FRAME, image_payload(event.image, event.pts_ms)
+            )
+        elif isinstance(event, ItemCreate):
+            text = "".join(part.text for part in event.item.content)
+            receipt = await self._append(InputMode.APPEND_TEXT, TextPayload(text))
+            await self._notice("conversation.item.created", item={"id": f"item_{receipt}"})
+        elif isinstance(event, AudioCommit | ResponseCreate):
+            await self._commit(announce=isinstance(event, AudioCommit))
+        elif isinstance(event, AudioClear):
+            await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
+            self.uncommitted = False
+            await self._notice("input_audio_buffer.cleared")
+        elif isinstance(event, ResponseCancel | BargeIn):
+            result = await self.coordinator.cancel(sid, reason=event.type)
+            self.min_epoch = max(self.min_epoch, result.fence.epoch)
+        elif isinstance(event, PlaybackAck):
+            await self._append(
+                InputMode.PLAYBACK_ACK, PlaybackPayload(event.response_id, event.played_ms)
+            )
+        elif isinstance(event, SessionResume):
+            raise ProtocolError(ErrorCode.INVALID_EVENT, "session.resume must be the first event")
+
+    async def _commit(self, *, announce: bool) -> None:
+        if not announce and not self.uncommitted:
+            return  # response.create right after a commit: that commit already asked
+        await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
+        self.uncommitted = False
+        if announce:
+            await self._notice("input_audio_buffer.committed")
+
+    async def _notice(self, event_type: str, **fields: Any) -> None:
+        await self.coordinator.authority.journal(self.session_id, {"type": event_type, **fields})
+
+    async def _append(self, mode: InputMode, payload: Payload) -> int:
+        size = _payload_size(payload)
+        await self._check_backpressure(size)
+        receipt = await self.coordinator.append(self.session_id, mode, payload)
+        self._pending.append((receipt.seq, size))
+        self._pending_bytes += size
+        if mode is not InputMode.TURN_COMMIT_ONLY:
+            self.uncommitted = True
+        return receipt.seq
+
+    async def _check_backpressure(self, size: int) -> None:
+        limit = self.hub.settings.max_pending_input_bytes
+        if self._pending_bytes + size <= limit:
+            return
+        applied = await self._applied_by_first_stages()
+        while self._pending and self._pending[0][0] <= applied:
+            self._pending_bytes -= self._pending.popleft()[1]
+        if self._pending_bytes + size > limit:
+            raise InputBackpressureError(
+                f"{self._pending_bytes} input bytes are not yet processed (limit {limit}); "
+                "slow down and retry"
+            )
+
+    async def _applied_by_first_stages(self) -> int:
+        firsts = [s.name for s in self.hub.pipeline.stages if s.input == "session"]
+        sk = self.coordinator.bus.keys.session(self.session_id)
+        raw = await self.coordinator.bus.hmget(sk.progress, [f"{n}:applied" for n in firsts])
+        return min(int(v or 0) for v in raw)
+
+    # -- session -> client ---------------------------------------------------------
+
+    async def _pump(self) -> None:
+        while True:
+            delivery = await self.queue.get()
+            event = delivery.event
+            if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
+                continue  # queued before this connection's cancel returned: stale now
+            for server_event in self.translator.translate(event, delivery.server_event_seq):
+                await self.socket.send_json(server_event)
+
+
+def _payload_size(payload: Payload) -> int:
+    data = getattr(payload, "data", None)
+    if isinstance(data, bytes):
+        return len(data)
+    frames = getattr(payload, "frames", None)
+    if frames is not None:
+        return sum(len(frame) for frame in frames)
+    text = getattr(payload, "text", "")
+    return len(text.encode()) if isinstance(text, str) else 0

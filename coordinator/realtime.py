@@ -1,0 +1,238 @@
+"""The realtime protocol core: client events in, server events out (no I/O).
+
+``parse_client_event`` validates one client message; ``audio_payload`` and
+``image_payload`` decode what it carries. ``ServerEventTranslator`` turns the
+session journal (stage outputs, coordinator notices, fence barriers) into
+Realtime server events. It is deterministic: replaying the same journal
+through a fresh translator gives the same events, which is what makes
+``session.resume`` exact.
+
+Every server event carries ``server_event_seq`` (derived from the journal's
+per-session counter, see SEQ_STRIDE) and the fence fields a client needs (``epoch``, ``turn_id``,
+``response_seq``, ``incarnation``); a client never sets a fence.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+from pydantic import ValidationError
+
+from schemas.errors import ErrorCode, ProtocolError
+from schemas.events import (
+    AudioPayload,
+    ControlEvent,
+    ControlKind,
+    OutputEvent,
+    OutputKind,
+    VideoPayload,
+)
+from schemas.fence import Fence
+from schemas.realtime import CLIENT_EVENT_TYPES, ClientEvent, SessionConfig, client_event_adapter
+
+ServerEvent = dict[str, Any]
+
+SEQ_STRIDE = 1024
+"""``server_event_seq`` = journal seq * SEQ_STRIDE + the event's index among those one
+journal entry (and the barriers after it) produced: strictly increasing, not dense."""
+
+_AUDIO_FORMATS = {"pcm16": ("pcm_s16le", 2), "pcm_f32le": ("pcm_f32le", 4)}
+_IMAGE_FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
+
+
+def parse_client_event(raw: str | bytes, max_bytes: int) -> ClientEvent:
+    """Validate one client message or raise ProtocolError with a stable code."""
+    if len(raw) > max_bytes:
+        raise ProtocolError(ErrorCode.EVENT_TOO_LARGE, f"event exceeds {max_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.INVALID_JSON, "an event must be a JSON object")
+    kind = data.get("type")
+    if kind not in CLIENT_EVENT_TYPES:
+        raise ProtocolError(ErrorCode.UNKNOWN_EVENT, f"unknown event type {kind!r}")
+    try:
+        return client_event_adapter.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"][1:])
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT, f"{kind}: {where or 'event'}: {first['msg']}"
+        ) from exc
+
+
+def _b64(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_BASE64, "payload is not valid base64") from exc
+
+
+def audio_payload(data: str, config: SessionConfig) -> AudioPayload:
+    """Decode base64 audio in the session's input format."""
+    raw = _b64(data)
+    fmt, width = _AUDIO_FORMATS[config.input_audio_format]
+    if not raw or len(raw) % width:
+        raise ProtocolError(
+            ErrorCode.INVALID_AUDIO,
+            f"{config.input_audio_format} audio needs a whole number of {width}-byte samples",
+        )
+    return AudioPayload(raw, fmt, config.input_audio_sample_rate)
+
+
+def image_payload(data: str, pts_ms: int) -> VideoPayload:
+    """Decode one base64 image; only formats a model stage can read are accepted."""
+    raw = _b64(data)
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            image.verify()
+            codec = _IMAGE_FORMATS.get(image.format or "")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, "image does not decode") from exc
+    if codec is None:
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, "image must be JPEG, PNG or WebP")
+    return VideoPayload((raw,), codec, pts_ms)
+
+
+def error_event(code: str, message: str, event_id: str | None = None) -> ServerEvent:
+    error: dict[str, Any] = {"type": "invalid_request_error", "code": code, "message": message}
+    if event_id:
+        error["event_id"] = event_id
+    return {"type": "error", "error": error}
+
+
+def response_id(fence: Fence) -> str:
+    return f"resp_{fence.epoch}_{fence.turn_id}_{fence.response_seq}"
+
+
+class ServerEventTranslator:
+    """Journal items of one session -> Realtime server events, with response framing.
+
+    ``terminal_stages`` are the client-facing stages whose ``done`` ends a
+    response (the last stage of each chain); other stages' ``done`` ends their
+    own part (text, transcript) or marks the user's turn end (server VAD).
+    """
+
+    def __init__(self, terminal_stages: Sequence[str]) -> None:
+        self.terminal = frozenset(terminal_stages)
+        self.active: str | None = None
+        self._parts: set[str] = set()
+        self._journal_seq = 0
+        self._index = 0
+
+    def translate(self, item: OutputEvent | ControlEvent, journal_seq: int) -> list[ServerEvent]:
+        """Server events for one journal item (``journal_seq`` 0 for a barrier)."""
+        events = self._control(item) if isinstance(item, ControlEvent) else self._output(item)
+        if journal_seq:
+            self._journal_seq, self._index = journal_seq, 0
+        for event in events:
+            event["server_event_seq"] = self._journal_seq * SEQ_STRIDE + self._index
+            self._index += 1
+            event.setdefault("fence", _fence_fields(item.fence))
+        return events
+
+    def _control(self, control: ControlEvent) -> list[ServerEvent]:
+        if control.kind is ControlKind.CANCEL:
+            ended = self._end("cancelled", control.reason)
+            return [*ended, {"type": "response.cancelled", "reason": control.reason}]
+        if control.kind is ControlKind.CLOSE:
+            return [*self._end("incomplete", "session_closed"), {"type": "session.closed"}]
+        if control.kind is ControlKind.FAILOVER:
+            return [{"type": "session.failover", "stage": control.reason}]
+        return []
+
+    def _start(self, output: OutputEvent) -> list[ServerEvent]:
+        rid = response_id(output.fence)
+        if self.active == rid:
+            return []
+        events = self._end("incomplete", "superseded") if self.active else []
+        self.active = rid
+        self._parts = set()
+        events.append(
+            {"type": "response.created", "response": {"id": rid, "status": "in_progress"}}
+        )
+        return events
+
+    def _end(self, status: str, reason: str = "") -> list[ServerEvent]:
+        if self.active is None:
+            return []
+        response: dict[str, Any] = {"id": self.active, "status": status}
+        if reason:
+            response["status_details"] = {"reason": reason}
+        self.active = None
+        return [{"type": "response.done", "response": response}]
+
+    def _output(self, out: OutputEvent) -> list[ServerEvent]:
+        kind = out.kind
+        if kind is OutputKind.NOTICE:
+            notice: ServerEvent = json.loads(out.text)
+            return [notice]
+        if kind is OutputKind.SPEECH_STARTED:
+            return [{"type": "input_audio_buffer.speech_started", "stage": out.stage}]
+        if kind is OutputKind.SPEECH_STOPPED:
+            return [{"type": "input_audio_buffer.speech_stopped", "stage": out.stage}]
+        if kind is OutputKind.ERROR:
+            code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
+            return [error_event(code, out.text)]
+        if kind is OutputKind.TRANSCRIPT and out.meta.get("role") != "assistant":
+            return [
+                {
+                    "type": "conversation.item.input_audio_transcription.completed",
+                    "transcript": out.text,
+                }
+            ]
+        if kind is OutputKind.DONE:
+            return self._done(out)
+        return self._delta(out)
+
+    def _delta(self, out: OutputEvent) -> list[ServerEvent]:
+        events = self._start(out)
+        rid = self.active
+        if out.kind is OutputKind.AUDIO_DELTA:
+            self._parts.add("audio")
+            delta = base64.b64encode(out.data).decode("ascii")
+            events.append({"type": "response.output_audio.delta", "response_id": rid,
+                           "delta": delta})  # fmt: skip
+        elif out.kind is OutputKind.TRANSCRIPT:
+            self._parts.add("transcript")
+            events.append({"type": "response.output_audio_transcript.delta",
+                           "response_id": rid, "delta": out.text})  # fmt: skip
+        elif out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
+            events.append({"type": f"response.{out.kind.value}", "response_id": rid})
+        else:
+            self._parts.add("text")
+            events.append({"type": "response.output_text.delta", "response_id": rid,
+                           "delta": out.text})  # fmt: skip
+        return events
+
+    def _done(self, out: OutputEvent) -> list[ServerEvent]:
+        if out.stage not in self.terminal:
+            if out.meta.get("turn_end"):
+                return [{"type": "input_audio_buffer.committed", "stage": out.stage}]
+            return []
+        if self.active is None:
+            self._start(out)
+        rid = self.active
+        events: list[ServerEvent] = []
+        for part in sorted(self._parts):
+            name = {"audio": "output_audio", "text": "output_text",
+                    "transcript": "output_audio_transcript"}[part]  # fmt: skip
+            events.append({"type": f"response.{name}.done", "response_id": rid})
+        return events + self._end("completed")
+
+
+def _fence_fields(fence: Fence) -> dict[str, int]:
+    return {
+        "incarnation": fence.incarnation,
+        "epoch": fence.epoch,
+        "turn_id": fence.turn_id,
+        "response_seq": fence.response_seq,
+    }

@@ -1,0 +1,170 @@
+"""The client protocol: OpenAI Realtime events where they apply, duplex events where not.
+
+Client events are validated fully here, at the edge: a JSON object with a
+``type`` and the fields that type allows. Unknown *fields* inside a session
+configuration are ignored (so existing Realtime clients that send options we
+do not implement still work); unknown *event types* are refused with
+``unknown_event``.
+
+Client events:
+
+=============================  =============================================
+type                           effect
+=============================  =============================================
+session.update                 session configuration (audio format, VAD, ...)
+input_audio_buffer.append      base64 audio (pcm16 by default, 24 kHz)
+input_audio_buffer.commit      end of the user's turn
+input_audio_buffer.clear       drop audio since the last commit
+input_video.append             a base64 image (JPEG/PNG/WebP) [duplex]
+conversation.item.create       a user text message
+response.create                ask for a response now
+response.cancel                cancel the response in progress
+barge_in                       the user interrupts (same as cancel) [duplex]
+playback.ack                   how far the client played a response [duplex]
+session.resume                 reattach with a resume token [duplex]
+=============================  =============================================
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+_MAX_TEXT = 32_768
+_MAX_B64 = 16 * 1024 * 1024
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_id: str | None = Field(None, max_length=128)
+
+
+class TurnDetection(BaseModel):
+    """Server VAD settings; ``None`` in the session turns server VAD off."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: Literal["server_vad"] = "server_vad"
+    silence_duration_ms: int = Field(500, ge=100, le=5000)
+    interrupt_response: bool = True
+
+
+class SessionConfig(BaseModel):
+    """What a client may configure; other Realtime session fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    instructions: str | None = Field(None, max_length=_MAX_TEXT)
+    modalities: tuple[Literal["text", "audio"], ...] | None = None
+    input_audio_format: Literal["pcm16", "pcm_f32le"] = "pcm16"
+    input_audio_sample_rate: int = Field(24_000, ge=8_000, le=48_000)
+    output_audio_format: Literal["pcm16"] = "pcm16"
+    voice: str | None = Field(None, max_length=64)
+    turn_detection: TurnDetection | None = TurnDetection()
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionConfig = SessionConfig()
+
+
+class AudioAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str = Field(max_length=_MAX_B64)
+
+
+class AudioCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class AudioClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class VideoAppend(_Event):
+    type: Literal["input_video.append"]
+    image: str = Field(max_length=_MAX_B64)
+    pts_ms: int = Field(0, ge=0)
+
+
+class TextContent(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["input_text", "text"]
+    text: str = Field(max_length=_MAX_TEXT)
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: Literal["message"] = "message"
+    role: Literal["user"] = "user"
+    content: tuple[TextContent, ...] = Field(min_length=1, max_length=64)
+
+
+class ItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    item: MessageItem
+    previous_item_id: str | None = None
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: dict[str, Any] | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+class BargeIn(_Event):
+    type: Literal["barge_in"]
+
+
+class PlaybackAck(_Event):
+    type: Literal["playback.ack"]
+    response_id: str = Field("", max_length=128)
+    played_ms: int = Field(ge=0)
+
+
+class SessionResume(_Event):
+    type: Literal["session.resume"]
+    resume_token: str = Field(min_length=16, max_length=256)
+    last_received_server_event_seq: int = Field(0, ge=0)
+
+
+ClientEvent = Annotated[
+    SessionUpdate
+    | AudioAppend
+    | AudioCommit
+    | AudioClear
+    | VideoAppend
+    | ItemCreate
+    | ResponseCreate
+    | ResponseCancel
+    | BargeIn
+    | PlaybackAck
+    | SessionResume,
+    Field(discriminator="type"),
+]
+
+CLIENT_EVENT_TYPES = frozenset(
+    (
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "input_video.append",
+        "conversation.item.create",
+        "response.create",
+        "response.cancel",
+        "barge_in",
+        "playback.ack",
+        "session.resume",
+    )
+)
+
+client_event_adapter: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)

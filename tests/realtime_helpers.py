@@ -1,0 +1,80 @@
+"""A coordinator served by uvicorn in the test's event loop, and a small client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+import websockets
+
+from coordinator.app import create_app
+from schemas.config import PipelineConfig, Settings
+from tests.redis_server import free_port
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, pipeline: PipelineConfig) -> AsyncIterator[str]:
+    """Serve the app on a free port; yields the ws:// base URL."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings, pipeline), host="127.0.0.1", port=port, log_level="warning",
+        ws_max_size=4 * settings.max_event_bytes, lifespan="on",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(10):
+        while not server.started:
+            await asyncio.sleep(0.01)
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+
+
+class Client:
+    """A Realtime client: JSON events over one WebSocket."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.seen: list[dict[str, Any]] = []
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, base: str, key: str | None = "k1") -> AsyncIterator[Client]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with websockets.connect(f"{base}/v1/realtime", additional_headers=headers) as ws:
+            yield cls(ws)
+
+    async def send(self, event: dict[str, Any] | str) -> None:
+        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+
+    async def recv(self, within_s: float = 10) -> dict[str, Any]:
+        event: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), within_s))
+        self.seen.append(event)
+        return event
+
+    async def until(self, event_type: str, within_s: float = 15) -> list[dict[str, Any]]:
+        """Events received up to and including the first of ``event_type``."""
+        got: list[dict[str, Any]] = []
+        async with asyncio.timeout(within_s):
+            while True:
+                event = await self.recv(within_s)
+                got.append(event)
+                if event["type"] == event_type:
+                    return got
+
+
+def text_turn(text: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user",
+                     "content": [{"type": "input_text", "text": text}]},
+        },
+        {"type": "response.create"},
+    ]  # fmt: skip
