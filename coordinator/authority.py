@@ -163,6 +163,14 @@ class SessionAuthority:
             self._raise(fence.session_id, reply)
         return fence
 
+    async def reserve_response(self, session_id: str) -> Fence:
+        """Advance the session's response_seq; the response's inputs and outputs carry it."""
+        sk = self.bus.keys.session(session_id)
+        reply = await self.bus.run(self.bus.reserve_script, [sk.meta], [])
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+        return _fence(session_id, reply, 1)
+
     async def cancel(
         self, session_id: str, *, expect_epoch: int | None = None, reason: str = "cancel"
     ) -> CancelResult:

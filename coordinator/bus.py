@@ -88,6 +88,7 @@ class RedisBus:
         self.release_script = self._register(scripts.RELEASE)
         self.publish_script = self._register(scripts.PUBLISH)
         self.journal_script = self._register(scripts.JOURNAL)
+        self.reserve_script = self._register(scripts.RESERVE)
 
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)

@@ -315,6 +315,7 @@ class Connection:
     async def _commit(self, *, announce: bool) -> None:
         if not announce and not self.uncommitted:
             return  # response.create right after a commit: that commit already asked
+        await self.coordinator.authority.reserve_response(self.session_id)
         await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
         self.uncommitted = False
         if announce:

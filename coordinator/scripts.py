@@ -262,3 +262,13 @@ local event = string.char(0x8b)
 redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
 return {'ok', n}
 """
+
+# KEYS: meta
+# Reserve the next response: response_seq + 1 (inputs after it carry the new value).
+RESERVE = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn')
+if not m[1] then return {'missing'} end
+if m[1] ~= 'open' then return {'closed'} end
+local resp = redis.call('HINCRBY', KEYS[1], 'resp', 1)
+return {'ok', tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), resp}
+"""

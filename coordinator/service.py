@@ -50,7 +50,8 @@ class Coordinator:
         return await self.authority.append(session_id, mode, payload)
 
     async def commit(self, session_id: str) -> AppendReceipt:
-        """End the user's turn."""
+        """End the user's turn and reserve the response to it (response_seq + 1)."""
+        await self.authority.reserve_response(session_id)
         return await self.authority.append(session_id, InputMode.TURN_COMMIT_ONLY, CommitPayload())
 
     async def cancel(self, session_id: str, *, reason: str = "cancel") -> CancelResult:

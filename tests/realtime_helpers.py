@@ -69,6 +69,16 @@ class Client:
                     return got
 
 
+async def until_completed(client: Client, within_s: float = 15) -> list[dict[str, Any]]:
+    """Events up to the first ``response.done`` whose status is completed."""
+    got: list[dict[str, Any]] = []
+    async with asyncio.timeout(within_s):
+        while True:
+            got += await client.until("response.done", within_s)
+            if got[-1]["response"]["status"] == "completed":
+                return got
+
+
 def text_turn(text: str) -> list[dict[str, Any]]:
     return [
         {

@@ -1,8 +1,12 @@
 """The realtime WebSocket API end to end: real uvicorn, real Redis, echo workers."""
 
+import asyncio
 import base64
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import websockets
@@ -10,7 +14,9 @@ from PIL import Image
 
 from schemas.config import echo_pipeline
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.realtime_helpers import Client, serving, text_turn
+from tests.processes import ROOT, write_pipeline
+from tests.realtime_helpers import Client, serving, text_turn, until_completed
+from tests.redis_server import free_port
 
 
 @pytest.fixture
@@ -34,7 +40,7 @@ async def test_text_turn(settings):
         assert len(created["resume_token"]) >= 22  # >= 128 bits
         for event in text_turn("hello there"):
             await client.send(event)
-        events = await client.until("response.done")
+        events = await until_completed(client)
     types = [e["type"] for e in events]
     assert "response.created" in types
     assert _deltas(events) == "hello there"
@@ -98,7 +104,7 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
         await client.recv()
         for event in text_turn("kept"):
             await client.send(event)
-        first = await client.until("response.done")
+        first = await until_completed(client)
         codes = []
         for raw, _ in BAD_INPUTS:
             await client.send(raw)
@@ -108,6 +114,137 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
         await client.send({"type": "input_video.append", "image": _png()})
         for event in text_turn("still here"):
             await client.send(event)
-        second = await client.until("response.done")
+        second = await until_completed(client)
     assert _deltas(first) == "kept"
     assert "still here" in _deltas(second)
+
+
+def _streaming(chunks=40, step_ms=20):
+    pipeline = echo_pipeline("echo")
+    stage = pipeline.stages[0].model_copy(
+        update={"options": {"chunks": chunks, "step_ms": step_ms}}
+    )
+    return pipeline.model_copy(update={"stages": (stage,)})
+
+
+@pytest.mark.parametrize("how", ["response.cancel", "barge_in"])
+async def test_cancel_leaves_no_stale_delta_after_the_acknowledgement(settings, how):
+    pipeline = _streaming()
+    async with (
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "echo"),
+        Client.connect(base) as client,
+    ):
+        await client.recv()
+        for event in text_turn("z" * 400):
+            await client.send(event)
+        await client.until("response.output_text.delta")
+        await client.send({"type": how})
+        cancelled = await client.until("response.done")
+        assert cancelled[-1]["response"]["status"] == "cancelled"
+        old_epoch = cancelled[-1]["fence"]["epoch"] - 1
+        for event in text_turn("next"):
+            await client.send(event)
+        after = await until_completed(client)
+    deltas = [e for e in after if e["type"] == "response.output_text.delta"]
+    assert all(e["fence"]["epoch"] > old_epoch for e in deltas)
+    assert _deltas(after) == "next"
+    assert after[-1]["response"]["status"] == "completed"
+
+
+async def test_backpressure_refuses_appends_until_the_stage_catches_up(settings):
+    settings = settings.model_copy(update={"max_pending_input_bytes": 2048})
+    pipeline = echo_pipeline("echo")
+    chunk = base64.b64encode(b"\x00\x01" * 500).decode()
+    async with serving(settings, pipeline) as base, Client.connect(base) as client:
+        await client.recv()
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+        error = (await client.until("error"))[-1]
+        assert error["error"]["code"] == "input_backpressure"
+        # Once a worker applies what was accepted, the session takes input again.
+        async with running_worker(settings, pipeline, "echo"):
+            for event in text_turn("flows again"):
+                await client.send(event)
+            events = await until_completed(client, within_s=20)
+    assert "flows again" in _deltas(events)
+    # Nothing accepted was lost: both accepted chunks were echoed as audio.
+    audio = [e for e in client.seen if e["type"] == "response.output_audio.delta"]
+    assert len(audio) == 2
+
+
+async def test_session_limit_is_a_retryable_error(settings):
+    settings = settings.model_copy(update={"max_sessions": 1})
+    async with serving(settings, echo_pipeline("echo")) as base, Client.connect(base) as first:
+        assert (await first.recv())["type"] == "session.created"
+        async with Client.connect(base) as second:
+            event = await second.recv()
+            assert event["type"] == "error"
+            assert event["error"]["code"] == "resource_exhausted"
+
+
+async def test_resume_on_another_coordinator_process(settings, tmp_path):
+    pipeline = _streaming(chunks=20, step_ms=10)
+    port = free_port()
+    env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "coordinator.cli", "coordinator",
+            "--pipeline", str(write_pipeline(tmp_path, pipeline)), "--port", str(port)]  # fmt: skip
+    other = subprocess.Popen(args, cwd=ROOT, env=env)
+    try:
+        async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
+            async with Client.connect(base) as first:
+                token = (await first.recv())["resume_token"]
+                for event in text_turn("one"):
+                    await first.send(event)
+                await until_completed(first)
+                for event in text_turn("the second turn streams in chunks"):
+                    await first.send(event)
+                await first.until("response.output_text.delta")
+            # The connection dropped mid-response; the client resumes elsewhere.
+            seen = first.seen
+            last = max(e["server_event_seq"] for e in seen)
+            other_base = await _wait_http(port)
+            async with Client.connect(other_base) as second:
+                await second.send(
+                    {"type": "session.resume", "resume_token": token,
+                     "last_received_server_event_seq": last}
+                )  # fmt: skip
+                assert (await second.recv())["type"] == "session.resumed"
+                rest = await until_completed(second)
+                for event in text_turn("three"):
+                    await second.send(event)
+                rest += await until_completed(second)
+    finally:
+        other.terminate()
+        other.wait(10)
+    events = seen + rest
+    seqs = [e["server_event_seq"] for e in events]
+    assert seqs == sorted(set(seqs)), "an event was repeated or reordered"
+    assert _deltas(events) == "one" + "the second turn streams in chunks" + "three"
+    completed = [
+        e["response"]["id"]
+        for e in events
+        if e["type"] == "response.done" and e["response"]["status"] == "completed"
+    ]
+    assert len(set(completed)) == len(completed) == 3
+
+
+async def _wait_http(port: int) -> str:
+    async with asyncio.timeout(20):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                await writer.wait_closed()
+                return f"ws://127.0.0.1:{port}"
+            except OSError:
+                await asyncio.sleep(0.1)
+
+
+async def test_resume_with_a_wrong_token_is_refused(settings):
+    async with serving(settings, echo_pipeline("echo")) as base, Client.connect(base) as client:
+        await client.send({"type": "session.resume", "resume_token": "x" * 43})
+        event = await client.recv()
+        assert event["type"] == "error"
+        assert event["error"]["code"] == "resume_failed"

@@ -265,11 +265,9 @@ class SessionActor:
             self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
             out_seq=self.out_seq,
         )  # fmt: skip
-        current = result.current
-        if current is not None and current.incarnation > fence.incarnation:
-            # Another stage failed over; our lease still holds, so we serve on.
-            self.ctx.fence = self.ctx.fence.replace(incarnation=current.incarnation)
-            fence = fence.replace(incarnation=current.incarnation)
+        restamp = self._restamp(fence, result.current)
+        if restamp is not None:
+            fence = restamp
             events = [msgspec.structs.replace(event, fence=fence) for event in events]
             result = await self.ownership.publish(
                 self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
@@ -294,6 +292,31 @@ class SessionActor:
             self.state = ActorState.LOST
         elif result.status is PublishStatus.CLOSED:
             self.state = ActorState.CLOSED
+
+    def _restamp(self, fence: Fence, current: Fence | None) -> Fence | None:
+        """The fence to publish refused outputs under instead of dropping them, if any.
+
+        - Another stage failed over (incarnation grew) while our lease held: our
+          outputs are still ours to publish, under the new incarnation.
+        - A stage whose outputs describe its input rather than belong to a response
+          (VAD, ASR, echo: ``follows_responses`` False): a newer turn or response
+          reserved meanwhile does not make them stale, so they move to the current
+          fence of the same epoch.
+        An epoch regression (a cancel) is never restamped.
+        """
+        if current is None:
+            return None
+        if current.incarnation > fence.incarnation:
+            self.ctx.fence = self.ctx.fence.replace(incarnation=current.incarnation)
+            return fence.replace(incarnation=current.incarnation)
+        if (
+            not self.backend.follows_responses
+            and current.incarnation == fence.incarnation
+            and current.epoch == fence.epoch
+        ):
+            self._follow(current)
+            return current
+        return None
 
     async def _count_drop(self, reason: str, count: int = 1) -> None:
         if count:

@@ -73,6 +73,10 @@ class StageBackend(Protocol):
     """True for backends that process their input as one continuous signal (VAD,
     ASR): inputs accepted before an interruption are handled, not absorbed, since
     the speech that caused the interruption began before it."""
+    follows_responses: bool
+    """True when outputs belong to the response being produced (a thinker, a TTS):
+    a newer response supersedes them. False when they describe the input (VAD, ASR,
+    echo): a response reserved meanwhile moves them to the current fence instead."""
 
     async def start(
         self,

@@ -7,6 +7,10 @@ token ids, audio as audio deltas, video as a text note, a turn commit as
 flush draft. Upstream outputs (when the stage reads another stage) are echoed
 kind for kind.
 
+Inputs from before an interruption are absorbed (nothing answers them), like a
+model's; but echo's outputs describe their input rather than a response, so a
+response reserved meanwhile does not make them stale (``follows_responses``).
+
 Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0).
 ``start`` records how many inputs and outputs a rebuild saw, so tests can
 check that a failover replayed the log.
@@ -50,6 +54,9 @@ class EchoBackend:
 
     name = "echo"
     continuous_input = False
+    follows_responses = False
+    """Echo answers each input as it comes; a response reserved meanwhile does not
+    make those answers stale."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = options or {}
