@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import sys
+import time
 from pathlib import Path
 
 from coordinator import control, replay
@@ -41,6 +43,9 @@ def _pipeline_for_up(path: Path | None) -> tuple[PipelineConfig, Path]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     settings = load_settings(args.settings, args.redis_url)
+    if not settings.api_keys and not settings.allow_anonymous:
+        # A fresh key for this run; it is printed with the demo page's URL.
+        settings = settings.model_copy(update={"api_keys": (secrets.token_urlsafe(16),)})
     pipeline, pipeline_path = _pipeline_for_up(args.pipeline)
     stack = LocalStack(settings, pipeline_path.resolve(), Path(args.workdir).resolve())
     try:
@@ -49,17 +54,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         for stage in pipeline.stage_names:
             for n in range(args.workers):
                 stack.start_worker(stage, f"{stage}-{n}")
+        stack.start_control()
+        base = stack.start_coordinator(args.port if args.port is not None else settings.port)
+        key = f"?api_key={settings.api_keys[0]}" if settings.api_keys else ""
         print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
               f" -> client), {args.workers} worker(s) per stage, Redis at "
               f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
-        ok = asyncio.run(demonstrate(stack, pipeline))
-        print("demonstration " + ("passed" if ok else "FAILED"))
-        if args.demo_only:
-            return 0 if ok else 1
-        print("serving; Ctrl-C to stop")
+        print(f"demo page: {base}/{key}")
+        print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
+        if not args.no_demo:
+            ok = asyncio.run(demonstrate(stack, pipeline))
+            print("demonstration " + ("passed" if ok else "FAILED"))
+            if args.demo_only:
+                return 0 if ok else 1
+        print("serving; Ctrl-C to stop", flush=True)
         try:
             while all(p.poll() is None for p in stack.procs.values()):
-                asyncio.run(asyncio.sleep(1))
+                time.sleep(1)
         except KeyboardInterrupt:
             pass
         return 0
@@ -128,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=2, help="worker processes per stage")
     up.add_argument("--workdir", default="var", help="where Redis data and logs go")
     up.add_argument("--demo-only", action="store_true", help="stop after the demonstration")
+    up.add_argument("--no-demo", action="store_true", help="serve without the demonstration")
+    up.add_argument("--port", type=int, help="client API port (default: settings.port)")
     up.set_defaults(func=cmd_up)
 
     coordinator = commands.add_parser("coordinator", help="serve the client API")

@@ -21,9 +21,11 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 from collections import deque
 from typing import Any, Protocol
 
+from coordinator.metrics import CANCEL_ACK, FIRST_OUTPUT, SESSIONS
 from coordinator.output_reader import Delivery
 from coordinator.realtime import (
     ServerEventTranslator,
@@ -48,6 +50,7 @@ from schemas.events import (
     CommitPayload,
     InputMode,
     OutputEvent,
+    OutputKind,
     Payload,
     PlaybackPayload,
     TextPayload,
@@ -69,6 +72,16 @@ from schemas.realtime import (
 )
 
 log = logging.getLogger("duplexq.coordinator")
+
+_RESPONSE_KINDS = frozenset(
+    (
+        OutputKind.TEXT_DELTA,
+        OutputKind.AUDIO_DELTA,
+        OutputKind.LISTEN,
+        OutputKind.SPEAK,
+        OutputKind.DONE,
+    )
+)
 
 
 class Socket(Protocol):
@@ -140,6 +153,7 @@ class Hub:
     def detach(self, session_id: str) -> None:
         """The connection went away: keep the session for the grace period."""
         self.queues.pop(session_id, None)
+        SESSIONS.set(len(self.queues))
         self.coordinator.reader.detach(session_id)
         self.graces[session_id] = asyncio.create_task(self._expire(session_id))
 
@@ -170,6 +184,7 @@ class Connection:
         self.uncommitted = False
         self._pending: deque[tuple[int, int]] = deque()
         self._pending_bytes = 0
+        self._turn_ended: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -218,6 +233,7 @@ class Connection:
         bus = self.coordinator.bus
         await bus.client.set(bus.keys.resume(token_hash(token)), self.session_id, ex=86_400)
         self.hub.queues[self.session_id] = self.queue
+        SESSIONS.set(len(self.hub.queues))
         await self.socket.send_json(
             {
                 "type": "session.created",
@@ -243,6 +259,7 @@ class Connection:
             self.coordinator, session_id, event.last_received_server_event_seq, self.translator
         )
         self.hub.queues[session_id] = self.queue
+        SESSIONS.set(len(self.hub.queues))
         self.coordinator.reader.attach(
             session_id, replay.follower.view.current, follower=replay.follower
         )
@@ -303,8 +320,10 @@ class Connection:
             self.uncommitted = False
             await self._notice("input_audio_buffer.cleared")
         elif isinstance(event, ResponseCancel | BargeIn):
+            started = time.monotonic()
             result = await self.coordinator.cancel(sid, reason=event.type)
             self.min_epoch = max(self.min_epoch, result.fence.epoch)
+            CANCEL_ACK.observe(time.monotonic() - started)
         elif isinstance(event, PlaybackAck):
             await self._append(
                 InputMode.PLAYBACK_ACK, PlaybackPayload(event.response_id, event.played_ms)
@@ -318,6 +337,7 @@ class Connection:
         await self.coordinator.authority.reserve_response(self.session_id)
         await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
         self.uncommitted = False
+        self._turn_ended = time.monotonic()
         if announce:
             await self._notice("input_audio_buffer.committed")
 
@@ -361,6 +381,13 @@ class Connection:
             event = delivery.event
             if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
                 continue  # queued before this connection's cancel returned: stale now
+            if (
+                self._turn_ended is not None
+                and isinstance(event, OutputEvent)
+                and event.kind in _RESPONSE_KINDS
+            ):
+                FIRST_OUTPUT.observe(time.monotonic() - self._turn_ended)
+                self._turn_ended = None
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 await self.socket.send_json(server_event)
 

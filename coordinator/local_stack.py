@@ -86,6 +86,22 @@ class LocalStack:
         args += ["--pipeline", str(self.pipeline_path)]
         self._spawn("control", args)
 
+    def start_coordinator(self, port: int) -> str:
+        """Serve the client API on ``port``; returns its http:// base URL once it answers."""
+        args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--pipeline",
+                str(self.pipeline_path), "--port", str(port)]  # fmt: skip
+        self._spawn("coordinator", args)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.procs["coordinator"].poll() is not None:
+                raise RuntimeError(f"the coordinator exited; see {self.workdir}/logs")
+            try:
+                socket.create_connection((self.settings.host, port), timeout=0.2).close()
+                return f"http://{self.settings.host}:{port}"
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("the coordinator did not start within 30 s")
+
     def _spawn(self, name: str, args: list[str]) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ mirrored into the shared ``dq:metrics`` hash by the code that counts them.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
 from collections.abc import Sequence
@@ -141,3 +142,52 @@ PUBLISHES = REGISTRY.counter(
 )
 FAILOVERS = REGISTRY.counter("duplexq_failovers_total", "Sessions a worker took over.")
 OWNED_SESSIONS = REGISTRY.gauge("duplexq_owned_sessions", "Sessions a worker owns now.")
+STAGE_PENDING = REGISTRY.gauge(
+    "duplexq_stage_pending_entries", "Entries a worker has read but not applied yet, per stage."
+)
+STAGE_LAG = REGISTRY.gauge(
+    "duplexq_stage_lag_seconds", "Age of the oldest entry a worker has not applied, per stage."
+)
+BARGE_IN_REACTION = REGISTRY.histogram(
+    "duplexq_barge_in_reaction_seconds",
+    "From a cancel being written to a worker stopping the cancelled work.",
+    LATENCY_BUCKETS,
+)
+CANCEL_ACK = REGISTRY.histogram(
+    "duplexq_cancel_ack_seconds",
+    "From a client's cancel reaching the coordinator to its acknowledgement.",
+    LATENCY_BUCKETS,
+)
+FIRST_OUTPUT = REGISTRY.histogram(
+    "duplexq_time_to_first_output_seconds",
+    "From the end of the user's turn to the first response output sent to the client.",
+    LATENCY_BUCKETS,
+)
+SESSIONS = REGISTRY.gauge("duplexq_sessions", "Sessions with a live client connection.")
+
+
+async def serve_metrics(host: str, port: int) -> asyncio.AbstractServer:
+    """A minimal HTTP endpoint serving ``/metrics`` (workers and the control plane)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            ok = request.split(b" ")[1:2] == [b"/metrics"]
+            body = REGISTRY.render().encode() if ok else b"not found\n"
+            status = b"200 OK" if ok else b"404 Not Found"
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                b"Content-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError, IndexError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

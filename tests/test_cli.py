@@ -7,11 +7,23 @@ from coordinator.cli import build_parser, main
 from schemas.events import TextPayload
 from tests.pipeline_helpers import fast_settings
 from tests.processes import ROOT, settings_env
+from tests.redis_server import free_port
 
 
 def test_up_runs_the_stack_and_its_demonstration(tmp_path):
+    port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "up", "--demo-only", "--workdir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "up",
+            "--demo-only",
+            "--port",
+            str(port),
+            "--workdir",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -20,6 +32,7 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demonstration passed" in proc.stdout
+    assert f"demo page: http://127.0.0.1:{port}/?api_key=" in proc.stdout
     assert "0 stale outputs delivered" in proc.stdout
     assert "at incarnation 1" in proc.stdout
     assert (tmp_path / "logs" / "thinker-0.log").exists()

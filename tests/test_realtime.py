@@ -248,3 +248,64 @@ async def test_resume_with_a_wrong_token_is_refused(settings):
         event = await client.recv()
         assert event["type"] == "error"
         assert event["error"]["code"] == "resume_failed"
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_health_readiness_and_metrics(settings):
+    pipeline = echo_pipeline("echo")
+    async with serving(settings, pipeline) as base:
+        http = base.replace("ws://", "http://")
+        assert await asyncio.to_thread(_get, f"{http}/healthz") == (200, '{"status":"ok"}')
+        status, body = await asyncio.to_thread(_get, f"{http}/readyz")
+        assert status == 503 and json.loads(body)["workers"] == {"echo": 0}
+        async with running_worker(settings, pipeline, "echo"), Client.connect(base) as client:
+            async with asyncio.timeout(10):
+                while (await asyncio.to_thread(_get, f"{http}/readyz"))[0] != 200:
+                    await asyncio.sleep(0.05)
+            await client.recv()
+            for event in text_turn("measure me"):
+                await client.send(event)
+            await until_completed(client)
+            await client.send({"type": "response.cancel"})
+            await client.until("response.cancelled")
+            status, metrics = await asyncio.to_thread(_get, f"{http}/metrics")
+    assert status == 200
+    for name in (
+        "duplexq_sessions",
+        "duplexq_events_in_total",
+        "duplexq_events_out_total",
+        "duplexq_dropped_stale_total",
+        "duplexq_stage_pending_entries",
+        "duplexq_stage_lag_seconds",
+        "duplexq_cancel_ack_seconds_count",
+        "duplexq_time_to_first_output_seconds_count",
+        "duplexq_failovers_total",
+        "duplexq_barge_in_reaction_seconds",
+    ):
+        assert name in metrics, name
+
+
+async def test_worker_metrics_endpoint():
+    from coordinator.metrics import serve_metrics
+    from tests.redis_server import free_port
+
+    port = free_port()
+    server = await serve_metrics("127.0.0.1", port)
+    try:
+        status, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/metrics")
+        missing, _ = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/other")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert status == 200 and "# TYPE duplexq_events_in_total counter" in body
+    assert missing == 404

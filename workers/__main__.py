@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from coordinator.logs import setup_logging
+from coordinator.metrics import serve_metrics
 from schemas.config import PipelineConfig, Settings, echo_pipeline, load_mapping, load_pipeline
 from workers.runtime import Worker
 
@@ -22,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker-id", help="stable worker id (default: host-pid-stage)")
     parser.add_argument("--burst", action="store_true", help="drain what is queued, then exit")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     return parser.parse_args(argv)
 
 
@@ -37,25 +40,29 @@ def load_pipeline_or_echo(path: Path | None) -> PipelineConfig:
     return load_pipeline(path) if path else echo_pipeline()
 
 
-async def serve(worker: Worker) -> None:
+async def serve(worker: Worker, metrics_port: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
-    await worker.run()
+    server = None
+    if metrics_port is not None:
+        server = await serve_metrics(worker.settings.host, metrics_port)
+    try:
+        await worker.run()
+    finally:
+        if server is not None:
+            server.close()
+            await server.wait_closed()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_or_echo(args.pipeline)
     worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
     try:
-        asyncio.run(serve(worker))
+        asyncio.run(serve(worker, args.metrics_port))
     except Exception:
         logging.getLogger("duplexq.worker").exception("worker %s failed", worker.worker_id)
         return 1

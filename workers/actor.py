@@ -28,12 +28,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import deque
 from enum import Enum, auto
 
 import msgspec
 
 from coordinator.bus import Entry
-from coordinator.metrics import DROPPED_STALE, EVENTS_IN, EVENTS_OUT, PUBLISHES
+from coordinator.logs import session_extra
+from coordinator.metrics import (
+    BARGE_IN_REACTION,
+    DROPPED_STALE,
+    EVENTS_IN,
+    EVENTS_OUT,
+    PUBLISHES,
+)
 from coordinator.sessions import FenceView, fence_mismatch
 from schemas.errors import WireDecodeError
 from schemas.events import (
@@ -112,6 +121,20 @@ class SessionActor:
         self._producer_fence: Fence | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self.backlog: deque[tuple[int, int]] = deque()
+        """(ms of a queued batch's first entry, its size), oldest first: lag and pending."""
+
+    def enqueue(self, batch: list[Entry]) -> None:
+        """Queue a batch read from the stage's input (called by the data reader)."""
+        if batch:
+            self.backlog.append((int(batch[0].id.split("-", 1)[0]), len(batch)))
+        self.queue.put_nowait(batch)
+
+    def pending(self, now_ms: int) -> tuple[int, float]:
+        """(entries read but not applied, seconds since the oldest was written)."""
+        if not self.backlog:
+            return 0, 0.0
+        return sum(n for _, n in self.backlog), max(0.0, (now_ms - self.backlog[0][0]) / 1000)
 
     @property
     def session_id(self) -> str:
@@ -134,6 +157,8 @@ class SessionActor:
             if self.active:
                 await self._flush()
         finally:
+            if entries and self.backlog:
+                self.backlog.popleft()
             if self.queue.empty():
                 self.idle.set()
 
@@ -174,7 +199,7 @@ class SessionActor:
                 return decode_control(entry.fields[b"c"])
             raise WireDecodeError("entry has no event field (trimmed?)")
         except WireDecodeError as exc:
-            log.warning("session %s: dead-lettering entry %s: %s", self.session_id, entry.id, exc)
+            log.warning("dead-lettering entry %s: %s", entry.id, exc, extra=self._extra())
             return None
 
     def _advance(self, entry_id: str, seq: int | None) -> None:
@@ -220,7 +245,7 @@ class SessionActor:
         if producer.cancelled() or producer.exception() is None:
             return
         exc = producer.exception()
-        log.warning("session %s seq %s: backend failed: %r", self.session_id, event.seq, exc)
+        log.warning("seq %s: backend failed: %r", event.seq, exc, extra=self._extra())
         self._stage(
             OutputDraft(OutputKind.ERROR, text=str(exc), meta={"code": "backend_error"}),
             self.ctx.fence,
@@ -342,9 +367,15 @@ class SessionActor:
             self.state = ActorState.CLOSED
             self._cancel_producer()
 
+    def _extra(self) -> dict[str, object]:
+        return session_extra(self.session_id, self.ctx.fence, stage=self.ctx.stage)
+
     async def _on_cancel(self, control: ControlEvent) -> None:
         if control.fence.epoch <= self.ctx.fence.epoch and self._producer_fence is None:
             return
+        if control.ts_ms:
+            BARGE_IN_REACTION.observe(max(0.0, time.time() - control.ts_ms / 1000),
+                                      stage=self.ctx.stage)  # fmt: skip
         self.view.advance(control.fence)
         if control.fence.epoch > self.ctx.fence.epoch:
             self.ctx.fence = self.ctx.fence.replace(epoch=control.fence.epoch)

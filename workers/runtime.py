@@ -38,7 +38,8 @@ import redis.asyncio as aioredis
 
 from coordinator.authority import SessionAuthority
 from coordinator.bus import Entry, RedisBus
-from coordinator.metrics import FAILOVERS, OWNED_SESSIONS
+from coordinator.logs import session_extra
+from coordinator.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import WireDecodeError
 from schemas.events import OutputEvent, decode_control, decode_event, decode_output
@@ -211,7 +212,11 @@ class Worker:
         if lease.failover:
             FAILOVERS.inc(stage=self.stage)
             await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
-            log.info("worker %s took over %s at %s", self.worker_id, session_id, lease.fence)
+            log.info(
+                "took over the session", extra=session_extra(
+                    session_id, lease.fence, stage=self.stage, worker=self.worker_id
+                ),
+            )  # fmt: skip
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
         ctx.interrupt = functools.partial(self._interrupt, ctx)
         actor = SessionActor(lease, self.ownership, self.backend, ctx)
@@ -285,12 +290,20 @@ class Worker:
             await self._retire(actor)
 
     async def _heartbeat_round(self) -> None:
-        await self.bus.client.zadd(self.keys.workers(self.stage), {self.worker_id: now_ms()})
+        now = now_ms()
+        await self.bus.client.zadd(self.keys.workers(self.stage), {self.worker_id: now})
+        pending = [actor.pending(now) for actor in self.actors.values()]
+        STAGE_PENDING.set(sum(n for n, _ in pending), stage=self.stage)
+        STAGE_LAG.set(max((lag for _, lag in pending), default=0.0), stage=self.stage)
         actors = [a for a in self.actors.values() if a.active]
         renewed = await self.ownership.renew([a.lease for a in actors], now_ms())
         for actor, ok in zip(actors, renewed, strict=True):
             if not ok and actor.active:
-                log.warning("worker %s lost lease of %s", self.worker_id, actor.session_id)
+                log.warning(
+                    "lost the lease", extra=session_extra(
+                        actor.session_id, actor.ctx.fence, stage=self.stage, worker=self.worker_id
+                    ),
+                )  # fmt: skip
                 actor.state = ActorState.LOST
                 actor.queue.put_nowait([])  # wake its loop so it retires
 
@@ -336,7 +349,7 @@ class Worker:
                 owner.read_cursor = entry.id
                 batches.setdefault(entry.stream, []).append(entry)
         for stream, batch in batches.items():
-            owners[stream].queue.put_nowait(batch)
+            owners[stream].enqueue(batch)
         self._note_activity(bool(batches))
         if self.burst:
             await self._maybe_finish_burst()
