@@ -309,3 +309,28 @@ async def test_worker_metrics_endpoint():
         await server.wait_closed()
     assert status == 200 and "# TYPE duplexq_events_in_total counter" in body
     assert missing == 404
+
+
+async def test_detached_session_is_closed_after_the_grace_period(settings):
+    settings = settings.model_copy(update={"resume_grace_s": 1})
+    async with serving(settings, echo_pipeline("echo")) as base:
+        async with Client.connect(base) as client:
+            created = await client.recv()
+        sid = created["session"]["id"]
+        from coordinator.bus import RedisBus
+        from schemas.keys import Keys
+
+        bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        try:
+            meta = bus.keys.session(sid).meta
+            assert await bus.client.hget(meta, "status") == b"open"
+            async with asyncio.timeout(10):
+                while await bus.client.hget(meta, "status") != b"closed":
+                    await asyncio.sleep(0.05)
+            # A late resume gets a clear error.
+            async with Client.connect(base) as late:
+                await late.send({"type": "session.resume", "resume_token": created["resume_token"]})
+                event = await late.recv()
+            assert event["error"]["code"] == "resume_failed"
+        finally:
+            await bus.aclose()
