@@ -10,6 +10,8 @@ from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
 from schemas.fence import Fence
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
+from workers.backends.base import OutputDraft
+from workers.backends.echo import EchoBackend
 from workers.runtime import Worker
 
 
@@ -129,5 +131,42 @@ async def test_barge_in_under_load(settings):
         # The worker stopped producing for the old epoch within one backend step.
         assert backend.steps_after_release <= 1  # type: ignore[attr-defined]
         assert backend.released == [Fence("s0")]  # type: ignore[attr-defined]
+    finally:
+        await coordinator.aclose()
+
+
+class _Proactive(EchoBackend):
+    """Speaks a moment after an input, outside ``handle`` (like a gate firing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def handle(self, ctx, event):
+        async def later() -> None:
+            await asyncio.sleep(0.05)
+            assert ctx.emit is not None
+            ctx.emit(OutputDraft(OutputKind.TEXT_DELTA, text="unprompted"))
+
+        self.tasks.append(asyncio.create_task(later()))
+        return
+        yield  # an async generator that yields nothing itself
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def test_a_backend_can_speak_between_inputs(settings):
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, "echo", backend=_Proactive()):
+            await coordinator.open("s1")
+            await coordinator.append("s1", "append_text", TextPayload("tick"))
+            got = outputs_of(await collect(coordinator, 1))
+        assert [o.text for o in got] == ["unprompted"]
+        assert got[0].fence == Fence("s1")
     finally:
         await coordinator.aclose()

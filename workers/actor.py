@@ -121,6 +121,7 @@ class SessionActor:
         self._producer_fence: Fence | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self._proactive: list[OutputDraft] = []
         self.backlog: deque[tuple[int, int]] = deque()
         """(ms of a queued batch's first entry, its size), oldest first: lag and pending."""
 
@@ -146,10 +147,19 @@ class SessionActor:
 
     # -- data path -----------------------------------------------------------
 
+    def emit(self, draft: OutputDraft) -> None:
+        """A proactive draft from the backend; published by the actor's loop."""
+        if self.active:
+            self._proactive.append(draft)
+            self.queue.put_nowait([])
+
     async def apply(self, entries: list[Entry]) -> None:
         """Apply one batch of entries, then publish outputs and progress together."""
         self.idle.clear()
         try:
+            proactive, self._proactive = self._proactive, []
+            for draft in proactive:
+                self._stage(draft, self.ctx.fence, self.applied_seq)
             for entry in entries:
                 if not self.active:
                     return

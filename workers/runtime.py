@@ -220,6 +220,7 @@ class Worker:
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
         ctx.interrupt = functools.partial(self._interrupt, ctx)
         actor = SessionActor(lease, self.ownership, self.backend, ctx)
+        ctx.emit = actor.emit
         inputs, outputs = await self._history(session_id, lease.read_id)
         await self.backend.start(ctx, inputs, outputs)
         self.actors[session_id] = actor

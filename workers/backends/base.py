@@ -46,6 +46,10 @@ class StageContext:
     interrupt: Callable[[str], Awaitable[Fence]] | None = None
     """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
     returns the new fence. Set by the runtime; a VAD hearing the user uses it."""
+    emit: Callable[[OutputDraft], None] | None = None
+    """Publish a draft outside ``handle`` (a proactive stage speaking on its own, e.g.
+    Mage-VL's gate firing between inputs), under the session's current fence. Set by
+    the runtime; drafts are published in the order emitted."""
 
 
 @dataclass(frozen=True, slots=True)
