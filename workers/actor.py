@@ -148,10 +148,18 @@ class SessionActor:
     # -- data path -----------------------------------------------------------
 
     def emit(self, draft: OutputDraft) -> None:
-        """A proactive draft from the backend; published by the actor's loop."""
-        if self.active:
-            self._proactive.append(draft)
-            self.queue.put_nowait([])
+        """A draft from the backend outside ``handle``'s own yields, under the current fence.
+
+        During a batch it joins the batch's outputs in order (a VAD announcing speech
+        after its barge-in); between batches it wakes the actor's loop to publish it.
+        """
+        if not self.active:
+            return
+        if not self.idle.is_set():
+            self._stage(draft, self.ctx.fence, self.applied_seq)
+            return
+        self._proactive.append(draft)
+        self.queue.put_nowait([])
 
     async def apply(self, entries: list[Entry]) -> None:
         """Apply one batch of entries, then publish outputs and progress together."""

@@ -23,12 +23,13 @@ text-only thinker downstream); a ``turn_commit_only`` ends the turn at once
 utterance in progress (``speech_stopped`` with ``reason = "cleared"``, no
 audio, no ``done``); video and playback acks are ignored.
 
-Why drafts can wait one chunk: the runtime publishes a ``handle`` call's
+Why drafts go through the outbox: the runtime publishes a ``handle`` call's
 drafts under the fence the call started with, and drops them once that fence
 is released. A chunk that barges in therefore keeps its drafts (the
 ``speech_started`` and anything before it) in the session's outbox and
-interrupts last; the next chunk, handled at the new epoch, publishes them
-first. Every state change of a chunk is made before that single ``await``, so
+interrupts last; once the new epoch is in, it hands them to ``ctx.emit``,
+which publishes them under the new fence at once (without ``emit``, the next
+chunk publishes them first). Every state change of a chunk is made before that single ``await``, so
 a cancel landing during it loses nothing. Windows run inline (about 0.3 ms
 each), which is also what keeps a chunk's state change atomic.
 
@@ -298,9 +299,13 @@ class VadBackend:
         new, started = self._consume(session, event)  # bad audio raises: the outbox stays
         drafts, session.outbox = session.outbox + new, []
         if started and self.options.interrupt_response and ctx.interrupt is not None:
-            # Everything is decided; publish with the next event, at the new epoch.
+            # Everything is decided; publish at the new epoch once the barge-in is in.
             session.outbox = drafts
             await ctx.interrupt("speech_started")
+            if ctx.emit is not None:
+                drafts, session.outbox = session.outbox, []
+                for draft in drafts:
+                    ctx.emit(draft)
             return
         for draft in drafts:
             yield draft
