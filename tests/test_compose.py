@@ -1,0 +1,291 @@
+"""docker-compose.yml, as Compose itself resolves it.
+
+Each check runs ``docker-compose config`` (docker-compose 1.29, which
+scripts/setup installs; ``docker compose`` v2 where only that is present) and
+reads the fully resolved file it prints, so what is checked is what Compose
+would run: defaults interpolated, YAML anchors merged, profiles applied. No
+Docker engine is needed. Neither Compose version's output layout is assumed
+where they differ (short or long port and volume syntax; whether services of
+an inactive profile are listed).
+
+A missing Compose is a failure, not a skip: CI must validate the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DEFAULT_PIPELINE = "configs/default.toml"
+DEFAULT_STAGES = ("vad", "asr", "thinker", "tts")
+"""The default pipeline's stages, used while configs/default.toml does not exist."""
+GPU_SERVICE = "thinker-gpu"
+DUPLEXQ_SERVICES = ("coordinator", "control")
+"""duplexq services that are not stage workers."""
+
+Config = dict[str, Any]
+
+
+def compose_command() -> list[str]:
+    if path := shutil.which("docker-compose"):
+        return [path]
+    docker = shutil.which("docker")
+    if docker:
+        probe = subprocess.run(
+            [docker, "compose", "version"], capture_output=True, text=True, check=False
+        )
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    pytest.fail(
+        "neither docker-compose nor `docker compose` is installed; scripts/setup installs "
+        "the Debian package docker-compose, which validates docker-compose.yml"
+    )
+
+
+def compose_config(env_file: Path, *profiles: str, env: Mapping[str, str] | None = None) -> Config:
+    """The resolved compose file, with only ``env`` set of duplexq's and Compose's variables.
+
+    ``env_file`` stands in for a ``.env`` beside the compose file, which a developer
+    may have, so that it cannot change what is checked.
+    """
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("DUPLEXQ_", "COMPOSE_"))
+    }
+    environ.update(env or {})
+    argv = [*compose_command(), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE)]
+    argv += ["--env-file", str(env_file)]
+    for profile in profiles:
+        argv += ["--profile", profile]
+    result = subprocess.run(
+        [*argv, "config"], cwd=ROOT, env=environ, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, f"compose config failed:\n{result.stderr}"
+    config: Config = yaml.safe_load(result.stdout)
+    return config
+
+
+def pipeline_stages(relative: str) -> tuple[str, ...]:
+    path = ROOT / relative
+    if not path.exists():
+        return DEFAULT_STAGES
+    stages = tomllib.loads(path.read_text())["stages"]
+    return tuple(stage["name"] for stage in stages)
+
+
+def is_active(service: Config) -> bool:
+    """Whether a plain ``up`` starts the service (it belongs to no profile)."""
+    return not service.get("profiles")
+
+
+def published_targets(service: Config) -> list[int]:
+    """Container ports the service publishes on the host, in either port syntax."""
+    targets = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            targets.append(int(port["target"]))
+        else:
+            container = str(port).split("/")[0].rsplit(":", 1)[-1]
+            targets.append(int(container))
+    return targets
+
+
+def volume_mounts(service: Config) -> dict[str, str]:
+    """Container path -> source (named volume or host path), in either volume syntax."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            mounts[volume["target"]] = volume["source"]
+        else:
+            source, target = str(volume).split(":")[:2]
+            mounts[target] = source
+    return mounts
+
+
+def pipeline_argument(service: Config) -> str:
+    command = service["command"]
+    return str(command[command.index("--pipeline") + 1])
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("compose") / "empty.env"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def default(env_file: Path) -> Config:
+    return compose_config(env_file)
+
+
+@pytest.fixture(scope="module")
+def gpu(env_file: Path) -> Config:
+    return compose_config(env_file, "gpu")
+
+
+def test_compose_file_is_valid_with_and_without_the_gpu_profile(
+    default: Config, gpu: Config
+) -> None:
+    for config in (default, gpu):
+        assert {"redis", *DUPLEXQ_SERVICES} <= set(config["services"])
+
+
+def test_redis_persists_with_aof_and_never_evicts(default: Config) -> None:
+    redis = default["services"]["redis"]
+    assert str(redis["image"]).split(":")[0] == "redis"
+    assert str(redis["image"]).split(":")[1].startswith("7")
+    command = [str(part) for part in redis["command"]]
+    settings = dict(zip(command[1::2], command[2::2], strict=False))
+    assert command[0] == "redis-server"
+    assert settings["--appendonly"] == "yes"
+    assert settings["--appendfsync"] == "everysec"
+    assert settings["--maxmemory-policy"] == "noeviction"
+    data = volume_mounts(redis)["/data"]
+    assert data in default["volumes"], "Redis data must live in a named volume"
+    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    assert not redis.get("ports"), "Redis is not published on the host"
+
+
+def test_every_stage_of_the_default_pipeline_has_a_scalable_service(default: Config) -> None:
+    services = default["services"]
+    for stage in pipeline_stages(DEFAULT_PIPELINE):
+        service = services.get(stage)
+        assert service is not None, f"no service for stage {stage!r}"
+        assert is_active(service), f"stage {stage!r} must run without a profile"
+        assert service["command"] == [
+            "worker",
+            "--stage",
+            stage,
+            "--pipeline",
+            f"/app/{DEFAULT_PIPELINE}",
+        ]
+        # A fixed name or host port would stop `--scale stage=N` from working.
+        assert "container_name" not in service, stage
+        assert not service.get("ports"), stage
+        assert volume_mounts(service)["/app/configs"].endswith("configs")
+
+
+def test_duplexq_services_wait_for_a_healthy_redis_and_share_its_url(default: Config) -> None:
+    services = default["services"]
+    names = [*DUPLEXQ_SERVICES, *pipeline_stages(DEFAULT_PIPELINE)]
+    for name in names:
+        service = services[name]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        assert service["environment"]["DUPLEXQ_REDIS_URL"] == "redis://redis:6379/0", name
+        assert service["build"]["args"]["EXTRAS"] == "cpu", name
+
+
+def test_coordinator_publishes_8080_with_a_health_check(default: Config) -> None:
+    coordinator = default["services"]["coordinator"]
+    assert coordinator["command"][:3] == ["coordinator", "--pipeline", f"/app/{DEFAULT_PIPELINE}"]
+    assert published_targets(coordinator) == [8080]
+    env = coordinator["environment"]
+    assert env["DUPLEXQ_HOST"] == "0.0.0.0"
+    assert str(env["DUPLEXQ_PORT"]) == "8080"
+    assert "/healthz" in " ".join(coordinator["healthcheck"]["test"])
+    # Clients need a key unless anonymous access is asked for explicitly.
+    assert env["DUPLEXQ_API_KEYS"]
+    assert str(env["DUPLEXQ_ALLOW_ANONYMOUS"]).lower() == "false"
+
+
+def test_api_keys_come_from_the_host_environment(env_file: Path) -> None:
+    config = compose_config(
+        env_file, env={"DUPLEXQ_API_KEYS": "k1,k2", "DUPLEXQ_ALLOW_ANONYMOUS": "true"}
+    )
+    env = config["services"]["coordinator"]["environment"]
+    assert env["DUPLEXQ_API_KEYS"] == "k1,k2"
+    assert str(env["DUPLEXQ_ALLOW_ANONYMOUS"]).lower() == "true"
+
+
+def test_control_plane_runs_on_the_same_pipeline(default: Config) -> None:
+    control = default["services"]["control"]
+    assert control["command"][0] == "control"
+    assert pipeline_argument(control) == f"/app/{DEFAULT_PIPELINE}"
+    assert is_active(control)
+
+
+def test_gpu_thinker_reserves_an_nvidia_gpu_only_in_the_gpu_profile(
+    default: Config, gpu: Config
+) -> None:
+    # docker-compose 1.29 lists a service of an inactive profile; v2 leaves it out.
+    idle = default["services"].get(GPU_SERVICE)
+    assert idle is None or idle["profiles"] == ["gpu"]
+
+    service = gpu["services"][GPU_SERVICE]
+    assert service["profiles"] == ["gpu"]
+    assert service["command"] == gpu["services"]["thinker"]["command"]
+    assert service["build"]["args"]["EXTRAS"] == "gpu"
+    assert service["image"] != gpu["services"]["thinker"]["image"]
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1
+    device = devices[0]
+    assert device["driver"] == "nvidia"
+    assert int(device["count"]) == 1
+    assert device["capabilities"] == ["gpu"]
+    assert "container_name" not in service
+    assert not service.get("ports")
+    # Everything else, the CPU thinker included, needs no profile.
+    for name, other in gpu["services"].items():
+        if name != GPU_SERVICE and "gpu" in other.get("profiles", []):
+            pytest.fail(f"{name} is in the gpu profile")
+    assert is_active(gpu["services"]["thinker"])
+
+
+def test_the_pipeline_file_is_chosen_by_an_environment_variable(env_file: Path) -> None:
+    chosen = "configs/echo.toml"
+    config = compose_config(env_file, "echo", env={"DUPLEXQ_PIPELINE": chosen})
+    services = config["services"]
+    for stage in pipeline_stages(chosen):
+        assert services[stage]["command"][:3] == ["worker", "--stage", stage]
+    for name, service in services.items():
+        if name != "redis":
+            assert pipeline_argument(service) == f"/app/{chosen}", name
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def copied_sources() -> list[str]:
+    """Build-context paths the Dockerfile's COPY instructions read (not ``--from``)."""
+    sources = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(word.startswith("--from") for word in words):
+            sources += [word for word in words[1:-1] if not word.startswith("--")]
+    return sources
+
+
+def test_dockerfile_copies_only_what_the_build_context_has() -> None:
+    ignored = dockerignore_patterns()
+    sources = copied_sources()
+    assert {"pyproject.toml", "README.md", "configs"} <= set(sources)
+    for source in sources:
+        assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+        top = Path(source).parts[0]
+        assert top not in ignored, f".dockerignore leaves {source} out of the build context"
+
+
+def test_dockerfile_flavours_and_entrypoint() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim|^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
+    assert re.search(r"^ARG EXTRAS=cpu$", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["duplexq"\]$', text, re.M)
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1] not in ("root", "0"), "the image must not run as root"
+    assert "espeak-ng" in text
+    assert "https://download.pytorch.org/whl/cpu" in text
