@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from coordinator.connection import Connection, Hub
@@ -23,6 +25,8 @@ from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError
 
 _BEARER = "bearer "
+STATIC_DIR = Path(__file__).with_name("static")
+"""The browser demo (``/``): plain HTML and JS, served as files, no build step."""
 
 
 def presented_key(headers: dict[str, str], query: dict[str, str]) -> str | None:
@@ -74,12 +78,17 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(REGISTRY.render(), media_type="text/plain; version=0.0.4")
 
+    async def demo_page(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
     app = Starlette(
         routes=[
             WebSocketRoute("/v1/realtime", realtime),
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),
+            Route("/", demo_page),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         lifespan=lifespan,
     )

@@ -1,0 +1,295 @@
+"""The browser demo end to end: headless Chromium with a fake microphone and camera.
+
+The page is served by the coordinator (uvicorn in the test's loop, real Redis,
+in-process workers). Chromium's fake microphone plays a WAV file in a loop;
+the test watches ``window.duplexqDemo`` and clicks the page's own controls.
+
+- echo pipeline: the microphone comes back as audio (so capture, the 24 kHz
+  PCM16 framing, playback and Interrupt are checked without any model) and a
+  camera frame comes back as text;
+- speech pipeline ``vad -> asr -> thinker (echo) -> tts``: a spoken turn is
+  transcribed and answered with speech; Interrupt silences the answer at once;
+  then the user speaking over a long answer silences it (server VAD barge-in).
+
+Chromium missing is a failure, not a skip: scripts/setup installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+
+from schemas.config import PipelineConfig, StageConfig, echo_pipeline
+from schemas.events import AudioPayload, InputEvent, PlaybackPayload
+from tests.browser_helpers import DemoPage, demo_page, write_speech_wav, write_tone_wav
+from tests.pipeline_helpers import fast_settings, running_worker
+from tests.realtime_helpers import serving
+from workers.backends.asr import AsrBackend
+from workers.backends.echo import EchoBackend
+from workers.backends.tts import TtsBackend
+from workers.backends.vad import VadBackend
+
+pytestmark = pytest.mark.timeout(90)
+
+TONE_HZ = 440.0
+STOPPED_BY_SERVER = ("speech_started", "cancelled")
+SILENCE_MEASURED = (
+    "!s.playing && s.outputLevel < 1e-4 && s.latencies.bargeIns.at(-1).silenceMs !== null"
+)
+"""The last barge-in's silence was read on the page's output meter."""
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    # Leases long enough that a CPU-starved loop (Chromium, Whisper and the stack
+    # share the machine) does not fail sessions over: failover has its own tests.
+    return fast_settings(
+        redis_server.url, key_prefix, api_keys=("k1",), lease_ttl_ms=5000, heartbeat_ms=500
+    )
+
+
+def http(base: str) -> str:
+    return base.replace("ws://", "http://", 1)
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, response.headers["content-type"], response.read()
+
+
+async def test_the_demo_page_and_its_files_are_served(settings):
+    async with serving(settings, echo_pipeline("echo")) as base:
+        page = await asyncio.to_thread(_get, f"{http(base)}/")
+        script = await asyncio.to_thread(_get, f"{http(base)}/static/app.js")
+        modules = [
+            await asyncio.to_thread(_get, f"{http(base)}/static/{name}")
+            for name in ("pcm.js", "player.js", "capture-worklet.js")
+        ]
+    assert page[0] == 200 and page[1].startswith("text/html")
+    assert b'src="/static/app.js"' in page[2]
+    assert script[0] == 200 and "javascript" in script[1]
+    assert b"window.duplexqDemo" in script[2]
+    assert all(status == 200 and "javascript" in kind for status, kind, _ in modules)
+
+
+# -- echo: capture, playback and interruption without models -----------------------
+
+
+class RecordingEcho(EchoBackend):
+    """Echo that keeps the microphone audio and playback acks it was sent."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(options)
+        self.audio: list[AudioPayload] = []
+        self.acks: list[PlaybackPayload] = []
+
+    def _record(self, event: object) -> None:
+        if isinstance(event, InputEvent):
+            if isinstance(event.payload, AudioPayload):
+                self.audio.append(event.payload)
+            elif isinstance(event.payload, PlaybackPayload):
+                self.acks.append(event.payload)
+
+    async def handle(self, ctx, event):
+        self._record(event)
+        async for draft in super().handle(ctx, event):
+            yield draft
+
+    async def absorb(self, ctx, event):
+        self._record(event)
+        await super().absorb(ctx, event)
+
+
+def streaming_echo() -> PipelineConfig:
+    return PipelineConfig(
+        name="browser-echo",
+        stages=(StageConfig(name="echo", to_client=True, options={"chunks": 4, "step_ms": 5}),),
+    )
+
+
+async def click_interrupt(demo: DemoPage) -> dict[str, Any]:
+    """Click Interrupt and read the state in the same task: silence must be immediate."""
+    state: dict[str, Any] = await demo.evaluate(
+        """() => {
+            document.getElementById("interrupt").click();
+            return JSON.parse(JSON.stringify(window.duplexqDemo));
+        }"""
+    )
+    return state
+
+
+def dominant_hz(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples * np.hanning(len(samples))))
+    return float(np.argmax(spectrum) * rate / len(samples))
+
+
+async def test_echo_page_captures_plays_and_interrupts(settings, tmp_path):
+    pipeline = streaming_echo()
+    backend = RecordingEcho(pipeline.stages[0].options)
+    wav = tmp_path / "tone.wav"
+    write_tone_wav(wav, hz=TONE_HZ)
+    async with (
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "echo", backend=backend),
+        demo_page(http(base), wav) as demo,
+    ):
+        await demo.page.check("#camera")
+        await demo.page.click("#connect")
+        await demo.wait_for(
+            "s.connected && s.playing && s.audioChunksPlayed >= 10"
+            " && s.videoFramesSent >= 1 && s.assistantText.includes('frame')"
+        )
+        at_stop = await click_interrupt(demo)
+        assert at_stop["playing"] is False
+        assert at_stop["lastStopReason"] == "interrupt"
+        cut = at_stop["stops"][-1]["responseIds"]
+        assert cut
+        # The server acknowledges the barge-in; audio of the new epoch plays again.
+        after = await demo.wait_for(
+            "s.latencies.bargeInCancelledMs !== null && Object.values(s.responses)"
+            ".some((r) => r.epoch >= 1 && r.played > 0)"
+        )
+        assert after["errors"] == []
+    assert_cut_for_good(at_stop["stops"][-1], at_stop, after)
+    # What the page sent: 40 ms of 24 kHz PCM16 per append, the tone intact.
+    assert {(a.format, a.sample_rate, len(a.data)) for a in backend.audio} == {
+        ("pcm_s16le", 24_000, 1920)
+    }
+    samples = np.frombuffer(b"".join(a.data for a in backend.audio[5:30]), "<i2") / 32768
+    assert abs(dominant_hz(samples, 24_000) - TONE_HZ) < 5
+    # The interrupted response's playback was acknowledged with what was heard.
+    assert {ack.response_id for ack in backend.acks} >= set(cut)
+    assert all(ack.played_ms > 0 for ack in backend.acks if ack.response_id in cut)
+
+
+# -- the real speech pipeline ------------------------------------------------------
+
+PHRASE = "good morning, how are you today"
+LONG_ANSWER = (
+    "Here is a long answer that takes a while to say, so that you can talk over it. "
+    "It goes on about the weather, the trains and the price of bread, "
+    "and it does not stop until somebody interrupts it."
+)
+
+
+def speech_pipeline() -> PipelineConfig:
+    return PipelineConfig(
+        name="browser-speech",
+        stages=(
+            StageConfig(name="vad", backend="vad"),
+            StageConfig(name="asr", backend="asr", input="vad", to_client=True),
+            StageConfig(name="thinker", backend="echo", input="asr", to_client=True,
+                        options={"chunks": 1}),
+            StageConfig(name="tts", backend="tts", input="thinker", to_client=True,
+                        options={"speak": ["text_delta", "transcript"],
+                                 "words_per_minute": 110}),
+        ),
+    )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def speech_workers(settings, pipeline):
+    vad = VadBackend(pipeline.stage("vad").options)
+    asr = AsrBackend(pipeline.stage("asr").options)
+    # Load the models before the clock starts (Silero, Whisper tiny.en).
+    assert vad.model is not None
+    await asr.transcriber()
+    backends = {
+        "vad": vad,
+        "asr": asr,
+        "thinker": EchoBackend(pipeline.stage("thinker").options),
+        "tts": TtsBackend(pipeline.stage("tts").options),
+    }
+    async with contextlib.AsyncExitStack() as stack:
+        for name, backend in backends.items():
+            await stack.enter_async_context(
+                running_worker(settings, pipeline, name, backend=backend)
+            )
+        yield backends
+
+
+def spoken_words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+async def test_spoken_turn_is_answered_and_interruptions_silence_it(settings, tmp_path):
+    pipeline = speech_pipeline()
+    wav = tmp_path / "speech.wav"
+    # The fake microphone loops: 0.3 s quiet, the phrase, 4 s quiet.
+    write_speech_wav(wav, PHRASE, lead_s=0.3, tail_s=4.0)
+    async with (
+        speech_workers(settings, pipeline),
+        serving(settings, pipeline) as base,
+        demo_page(http(base), wav) as demo,
+    ):
+        await demo.page.click("#connect")
+        # The first utterance ends; the mic is muted (it then sends silence) so the
+        # loop does not speak again until the test wants it to.
+        await demo.wait_for("(s.eventCounts['input_audio_buffer.speech_stopped'] || 0) > 0")
+        await demo.page.check("#mute")
+
+        # 1. The spoken turn is transcribed and answered with speech.
+        heard = await demo.wait_for(
+            "/morning/i.test(s.transcript) && s.playing && s.audioChunksPlayed > 0", 40
+        )
+        assert "morning" in spoken_words(heard["transcript"])
+
+        # 2. Interrupt silences the answer at once and drops what was queued; the
+        # output meter reads silence and the server acknowledges the cancel.
+        at_stop = await click_interrupt(demo)
+        assert at_stop["playing"] is False
+        assert at_stop["lastStopReason"] == "interrupt"
+        first_cut = at_stop["stops"][-1]
+        assert first_cut["responseIds"] and first_cut["cutChunks"] > 0
+        await demo.wait_for(f"{SILENCE_MEASURED} && s.latencies.bargeInCancelledMs !== null")
+
+        # 3. A long typed answer plays; the user speaks over it (server VAD barge-in).
+        await demo.page.fill("#text", LONG_ANSWER)
+        await demo.page.click("#send")
+        cut_ids = first_cut["responseIds"]
+        playing = await demo.wait_for(
+            f"s.playing && Object.values(s.responses).some((r) => r.played > 0 "
+            f"&& !{json.dumps(cut_ids)}.includes(r.id))",
+            30,
+        )
+        stops = len(playing["stops"])
+        await demo.page.uncheck("#mute")
+        barged = await demo.wait_for(f"s.stops.length > {stops} && {SILENCE_MEASURED}", 20)
+        second_cut = barged["stops"][-1]
+        assert second_cut["reason"] in STOPPED_BY_SERVER
+        # Let the barge-in utterance finish, then check nothing cut was heard later.
+        stopped_before = barged["eventCounts"]["input_audio_buffer.speech_stopped"]
+        end = await demo.wait_for(
+            f"s.eventCounts['input_audio_buffer.speech_stopped'] > {stopped_before}", 20
+        )
+    assert_cut_for_good(first_cut, at_stop, end)
+    assert_cut_for_good(second_cut, barged, end)
+    lat = end["latencies"]
+    assert lat["turns"][0]["trigger"] == "speech_stopped"
+    assert lat["turns"][0]["firstAudioMs"] is not None
+    interrupt, voice = (b for b in lat["bargeIns"] if b["silenced"])
+    assert interrupt["trigger"] == "interrupt" and voice["trigger"] in STOPPED_BY_SERVER
+    assert interrupt["silenceMs"] < 500 and voice["silenceMs"] < 500
+    print("turns:", [(t["trigger"], t["firstDeltaMs"], t["firstAudioMs"]) for t in lat["turns"]])
+    print(
+        "barge-ins:",
+        [(b["trigger"], b["silenceMs"], b["cancelledMs"], b["voiceMs"]) for b in lat["bargeIns"]],
+    )
+
+
+def assert_cut_for_good(stop: dict[str, Any], at_stop: dict[str, Any], end: dict[str, Any]) -> None:
+    """A response cut by ``stop`` was audible before it and never played again after."""
+    for rid in stop["responseIds"]:
+        then, now = at_stop["responses"][rid], end["responses"][rid]
+        assert then["peakLevel"] > 0.01, f"{rid} was never audible"
+        assert now["played"] == then["played"], f"{rid} played on after it was cut"
+        assert now["playedAfterStop"] == 0 and now["receivedAfterCancel"] == 0
+    acked = {ack["response_id"] for ack in end["acks"]}
+    assert set(stop["responseIds"]) <= acked
