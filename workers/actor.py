@@ -246,16 +246,25 @@ class SessionActor:
         self._producer = asyncio.create_task(produce(), name=f"produce {self.session_id}")
         self._producer_fence = fence
         try:
-            while (draft := await drafts.get()) is not None:
-                if not self.active or self.ctx.fence.epoch > fence.epoch:
-                    continue  # released while queued: never published
-                self._stage(draft, fence, event.seq)
-                if draft.flush:
-                    await self._flush(progress=False)
+            await self._relay(drafts, fence, event)
+        except BaseException:
+            self._cancel_producer()  # the actor itself is being cancelled: stop the backend
+            raise
         finally:
             producer, self._producer = self._producer, None
             self._producer_fence = None
             await self._reap(producer, event)
+
+    async def _relay(
+        self, drafts: asyncio.Queue[OutputDraft | None], fence: Fence, event: StageEvent
+    ) -> None:
+        """Stage the producer's drafts as they come; flush drafts are published at once."""
+        while (draft := await drafts.get()) is not None:
+            if not self.active or self.ctx.fence.epoch > fence.epoch:
+                continue  # released while queued: never published
+            self._stage(draft, fence, event.seq)
+            if draft.flush:
+                await self._flush(progress=False)
 
     async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
         with contextlib.suppress(asyncio.CancelledError):
@@ -318,8 +327,12 @@ class SessionActor:
             )  # fmt: skip
         if result.status is PublishStatus.STALE:
             # The outputs' fence was released meanwhile: they are dropped, the
-            # inputs still count as applied.
+            # inputs still count as applied, and work still producing for that
+            # fence (a response superseded by a newer one) is stopped.
             await self._count_drop(result.reason or "epoch", len(events))
+            if self._producer_fence == fence:
+                self._cancel_producer()
+                await self.backend.release(self.ctx, fence)
             events = []
             result = await self.ownership.publish(
                 self.lease, self.ctx.fence, [], applied_seq=applied, read_id=self.read_id,

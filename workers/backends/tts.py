@@ -248,7 +248,10 @@ class TtsBackend:
         index = session.sentences
         if self.options.transcript:
             yield OutputDraft(
-                OutputKind.TRANSCRIPT, text=sentence, meta={"sentence": index, "role": "assistant"}, flush=True
+                OutputKind.TRANSCRIPT,
+                text=sentence,
+                meta={"sentence": index, "role": "assistant"},
+                flush=True,
             )
         opts = self.options
         process = await asyncio.create_subprocess_exec(

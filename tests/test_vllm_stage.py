@@ -1,0 +1,453 @@
+"""The ``vllm`` stage: its pure core, then a real engine behind real stage workers.
+
+The engine tests run vLLM (CPU build) on the tiny model of ``tests.tiny_model``
+with greedy sampling, so every response is deterministic. One engine serves
+the whole module (it takes about half a minute to start); each test builds
+its own backend(s) and workers on it and talks to them through a real
+coordinator and a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import pytest
+import pytest_asyncio
+
+from coordinator.request_ids import make_request_id, parse_request_id
+from coordinator.service import Coordinator
+from schemas.config import PipelineConfig, StageConfig
+from schemas.events import (
+    AudioPayload,
+    CommitPayload,
+    ControlEvent,
+    ControlKind,
+    InputEvent,
+    InputMode,
+    OutputEvent,
+    OutputKind,
+    TextPayload,
+    TokensPayload,
+    decode_output,
+)
+from schemas.fence import Fence
+from tests.pipeline_helpers import fast_settings, running_worker
+from tests.tiny_model import build_tiny_model
+from workers.backends.vllm_history import (
+    ChatHistory,
+    Produced,
+    PromptTooLong,
+    classify,
+    rebuild,
+    released_by,
+)
+from workers.backends.vllm_options import parse_options
+from workers.runtime import Worker
+
+for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
+    os.environ.setdefault(_name, "1")
+
+STAGE = "thinker"
+ENGINE_OPTIONS = {
+    "dtype": "float32",
+    "max_model_len": 1024,
+    "kv_cache_memory_bytes": 64 << 20,
+    "enforce_eager": True,
+    "seed": 0,
+    "temperature": 0.0,
+}
+
+# -- the pure core (no engine) ---------------------------------------------------------
+
+
+def _in(seq: int, payload, mode: InputMode, epoch: int = 0) -> InputEvent:
+    return InputEvent(Fence("s1", 0, epoch), seq, seq, mode, payload)
+
+
+def _text(seq: int, text: str) -> InputEvent:
+    return _in(seq, TextPayload(text), InputMode.APPEND_TEXT)
+
+
+def _commit(seq: int) -> InputEvent:
+    return _in(seq, CommitPayload(), InputMode.TURN_COMMIT_ONLY)
+
+
+def _delta(seq: int, source_seq: int, text: str, ids: tuple[int, ...], inc: int = 0):
+    return OutputEvent(
+        Fence("s1", inc), STAGE, OutputKind.TEXT_DELTA, seq, source_seq, text, token_ids=ids
+    )
+
+
+def test_release_rule_decodes_request_ids():
+    released = Fence("s1", 2, 3)
+    assert released_by(make_request_id(Fence("s1", 2, 3), "thinker-t1-r1"), released)
+    assert released_by(make_request_id(Fence("s1", 2, 1), "thinker-t1-r1"), released)
+    assert released_by(make_request_id(Fence("s1", 1, 9), "thinker-t1-r1"), released)
+    assert not released_by(make_request_id(Fence("s1", 2, 4), "thinker-t1-r1"), released)
+    assert not released_by(make_request_id(Fence("s1", 3, 0), "thinker-t1-r1"), released)
+    # A session whose id merely starts like s1's is another session.
+    assert not released_by(make_request_id(Fence("s1-x", 2, 3), "r"), released)
+    assert not released_by(make_request_id(Fence("s", 2, 3), "r"), released)
+    assert not released_by("duplex-s.czE.i.2.e.3.r.x.extra", released)
+    assert not released_by("not-ours", released)
+
+
+def test_classify_contributions():
+    kinds = [
+        classify(_text(1, "hi"))[0].name,
+        classify(_in(2, TokensPayload((5, 6)), InputMode.APPEND_TOKENS))[0].name,
+        classify(_in(3, AudioPayload(b"\0" * 4), InputMode.APPEND_AUDIO_CHUNK))[0].name,
+        classify(_commit(4))[0].name,
+        classify(_delta(1, 1, "up", (1,)))[0].name,
+    ]
+    assert kinds == ["USER_PART", "USER_PART", "NOTHING", "COMMIT", "USER_PART"]
+
+
+def test_rebuild_takes_answers_from_accepted_outputs_and_carries_unfinished_ones():
+    history = ChatHistory(max_messages=32)
+    inputs = [_text(1, "hello "), _text(2, "there"), _commit(3), _text(4, "more")]
+    outputs = [
+        _delta(1, 3, "Hi", (10,)),
+        _delta(2, 3, " you", (11,)),
+        _delta(3, 5, "Par", (12,)),  # commit 5 was not applied yet: carried
+        _delta(1, 5, "tial", (13,), inc=1),
+    ]
+    rebuild(history, inputs, outputs)
+    chat = history.chat(lambda ids: "?", system="sys")
+    assert chat == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "Hi you"},
+    ]
+    assert history.pending == ["more"]
+    assert history.turns == 1
+    assert history.close_user(5) == Produced("Partial", (12, 13))
+    assert history.messages[-1].render(str) == "more"
+
+
+def test_history_merges_unanswered_turns_and_is_bounded():
+    history = ChatHistory(max_messages=4)
+    for turn in range(4):
+        history.add_user(f"q{turn}")
+        history.close_user(turn + 1)
+        if turn != 1:  # turn 1 was absorbed: no answer
+            history.add_assistant(Produced(f"a{turn}"))
+    chat = history.chat(str)
+    # Oldest dropped first; the stored history starts with a user message.
+    assert [(m["role"], m["content"]) for m in chat] == [
+        ("user", "q1\nq2"),
+        ("assistant", "a2"),
+        ("user", "q3"),
+        ("assistant", "a3"),
+    ]
+
+
+def test_fit_drops_oldest_exchanges_then_refuses():
+    history = ChatHistory(max_messages=32)
+    for turn in range(3):
+        history.add_user("u" * 10)
+        history.close_user(turn + 1)
+        history.add_assistant(Produced("a" * 10))
+    history.add_user("q" * 10)
+    history.close_user(9)
+
+    def count(chat):
+        return sum(len(m["content"]) for m in chat)
+
+    chat, tokens = history.fit(str, count, 35, system="s" * 5)
+    assert tokens == 35 and chat[0]["role"] == "system" and chat[1]["role"] == "user"
+    assert len(chat) == 4  # system, one full exchange, the new question
+    with pytest.raises(PromptTooLong):
+        history.fit(str, count, 9, system=None)
+    history.drop_last_user()
+    assert history.messages[-1].role == "assistant"
+
+
+def test_options_are_validated_with_clear_errors():
+    assert parse_options(STAGE, {"model": "/m"}).prompt_budget == 4096 - 256
+    with pytest.raises(ValueError, match=r"thinker.*model: Field required"):
+        parse_options(STAGE, {})
+    with pytest.raises(ValueError, match=r"max_tokens .* below max_model_len"):
+        parse_options(STAGE, {"model": "/m", "max_model_len": 64, "max_tokens": 64})
+    with pytest.raises(ValueError, match="temprature: Extra inputs"):
+        parse_options(STAGE, {"model": "/m", "temprature": 0.5})
+    with pytest.raises(ValueError, match="history_max_tokens"):
+        parse_options(
+            STAGE, {"model": "/m", "max_model_len": 100, "max_tokens": 20, "history_max_tokens": 90}
+        )
+
+
+# -- through the engine ------------------------------------------------------------------
+
+THIRD_PARTY_WARNINGS = [
+    # vLLM, torch and transformers warn about their own internals while vLLM is
+    # imported and the engine starts; this suite turns warnings into errors.
+    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
+    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
+    for module in ("torch.*", "vllm.*", "transformers.*")
+]
+
+
+def engine_test(fn):
+    # The first engine test also starts the engine: half a minute, more on a busy machine.
+    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+    for mark in marks + THIRD_PARTY_WARNINGS:
+        fn = mark(fn)
+    return fn
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir):
+    from workers.backends.vllm_engine import VllmEngine
+
+    engine = VllmEngine(parse_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
+    started = time.monotonic()
+    await engine.ready()
+    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    return fast_settings(redis_server.url, key_prefix)
+
+
+def backend_for(engine, **options):
+    from workers.backends.vllm_backend import VllmBackend
+
+    merged = {"model": engine.options.model, **ENGINE_OPTIONS, **options}
+    return VllmBackend(merged, stage=STAGE, engine=engine)
+
+
+def chat_pipeline() -> PipelineConfig:
+    stage = StageConfig(name=STAGE, backend="vllm", to_client=True, options={"model": "x"})
+    return PipelineConfig(name="chat", stages=(stage,))
+
+
+async def read_until(coordinator, done, *, timeout=30.0):
+    """Deliveries until ``done(deliveries)`` holds."""
+    got = []
+    async with asyncio.timeout(timeout):
+        while not done(got):
+            got.extend(await coordinator.outputs(block_ms=100))
+    return got
+
+
+def outputs(deliveries, kind=None):
+    found = [d.event for d in deliveries if isinstance(d.event, OutputEvent)]
+    return [o for o in found if kind is None or o.kind is kind]
+
+
+def has_done(deliveries, **fence):
+    return any(
+        all(getattr(o.fence, k) == v for k, v in fence.items())
+        for o in outputs(deliveries, OutputKind.DONE)
+    )
+
+
+async def eventually(check, timeout=10.0):
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def reference(engine, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    """Token ids the engine produces, uninterrupted and greedily, for ``prompt``."""
+    from workers.backends.vllm_engine import SamplingSpec
+
+    ids: list[int] = []
+    spec = SamplingSpec(max_tokens, 0.0, 1.0, 0)
+    async for step in engine.generate(
+        engine.encode(prompt), spec, "reference-" + str(time.time_ns())
+    ):
+        ids.extend(step.token_ids)
+    return tuple(ids)
+
+
+def assistant_messages(prompt: str) -> list[str]:
+    return re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", prompt, re.S)
+
+
+@engine_test
+async def test_a_text_turn_streams_tokens_then_done(engine, settings):
+    backend = backend_for(engine, max_tokens=12)
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, STAGE, backend=backend):
+            got = []
+            for sid in ("s1", "s2"):  # one after the other: each request runs alone
+                await coordinator.open(sid)
+                await coordinator.append(sid, "append_text", TextPayload("hello "))
+                await coordinator.append(sid, "append_text", TextPayload("there"))
+                await coordinator.commit(sid)
+                got += await read_until(coordinator, has_done)
+            by_session = {
+                sid: [o for o in outputs(got) if o.fence.session_id == sid] for sid in ("s1", "s2")
+            }
+            first = by_session["s1"]
+            # Twelve deltas, flushed one by one, then one done.
+            assert [o.kind for o in first] == [OutputKind.TEXT_DELTA] * 12 + [OutputKind.DONE]
+            deltas, done = first[:-1], first[-1]
+            assert all(len(o.token_ids) == 1 and o.text for o in deltas)
+            assert [o.seq for o in first] == list(range(1, 14))
+            assert all(o.source_seq == 3 for o in first)
+            request_id = done.meta["request_id"]
+            assert {o.meta["request_id"] for o in deltas} == {request_id}
+            assert parse_request_id(request_id)[:3] == ("s1", 0, 0)
+            assert done.meta["finish_reason"] == "length" and done.meta["tokens"] == 12
+            text = "".join(o.text for o in deltas)
+            ids = tuple(i for o in deltas for i in o.token_ids)
+            assert engine.decode(ids) == text
+            # Greedy: the same conversation gives the same answer in another session.
+            assert "".join(o.text for o in by_session["s2"][:-1]) == text
+            # What the engine got: the chat template over the session's history.
+            prompt = backend.records[request_id].prompt
+            assert prompt == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+            assert ids == await reference(engine, prompt, 12)
+
+            # The next turn's prompt carries the first exchange as the user got it.
+            await coordinator.append("s1", "append_text", TextPayload("and then?"))
+            await coordinator.commit("s1")
+            more = await read_until(coordinator, has_done)
+            second = outputs(more, OutputKind.DONE)[0].meta["request_id"]
+            prompt = backend.records[second].prompt
+            assert prompt.startswith("<|im_start|>user\nhello there<|im_end|>\n")
+            assert assistant_messages(prompt) == [text]
+            assert "<|im_start|>user\nand then?<|im_end|>" in prompt
+            assert not engine.live_request_ids()
+    finally:
+        await coordinator.aclose()
+
+
+@engine_test
+async def test_b_barge_in_aborts_the_running_request(engine, settings):
+    max_tokens = 400  # about three seconds of generation on CPU, uninterrupted
+    backend = backend_for(engine, max_tokens=max_tokens)
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, STAGE, backend=backend):
+            await coordinator.open("s1")
+            await coordinator.append("s1", "append_text", TextPayload("tell me a story"))
+            await coordinator.commit("s1")
+            before = await read_until(coordinator, lambda d: len(outputs(d)) >= 3)
+            request_id = outputs(before)[0].meta["request_id"]
+            assert request_id in engine.live_request_ids()  # mid-generation
+
+            result = await coordinator.cancel("s1", reason="barge_in")
+            assert result.cancelled.epoch == 0 and result.fence.epoch == 1
+            # The worker applies the cancel: the request leaves the engine, aborted.
+            await eventually(lambda: request_id not in engine.live_request_ids())
+            record = backend.records[request_id]
+            await eventually(lambda: record.outcome != "running")
+            assert record.outcome == "released"
+            assert 3 <= record.tokens < max_tokens
+            assert list(backend.released) == [result.cancelled]
+            assert engine.unfinished() == 0
+
+            # Nothing of epoch 0 is delivered after the cancel returned.
+            await coordinator.append("s1", "append_text", TextPayload("stop, another one"))
+            await coordinator.commit("s1")
+            after = await read_until(coordinator, lambda d: has_done(d, epoch=1))
+            assert outputs(after) and all(o.fence.epoch == 1 for o in outputs(after))
+            assert not [o for o in outputs(after) if o.meta.get("request_id") == request_id]
+
+            # The history kept the interrupted answer cut where it was stopped:
+            # what was published, maybe a queued token more, and a prefix of
+            # the answer it would have given.
+            sk = coordinator.bus.keys.session("s1")
+            entries = await coordinator.bus.xrange(sk.stage_out(STAGE))
+            published = [decode_output(e.fields[b"e"]) for e in entries if b"e" in e.fields]
+            old_text = "".join(o.text for o in published if o.meta.get("request_id") == request_id)
+            new_request = outputs(after, OutputKind.DONE)[0].meta["request_id"]
+            (kept,) = assistant_messages(backend.records[new_request].prompt)
+            full = await reference(engine, record.prompt, max_tokens)
+            assert len(old_text) >= 3 and kept.startswith(old_text)
+            assert kept == engine.decode(full[: record.tokens])
+            assert len(full) == max_tokens
+            assert not engine.live_request_ids()
+    finally:
+        await coordinator.aclose()
+
+
+@engine_test
+async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engine, settings):
+    max_tokens = 200
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+    first_backend = backend_for(engine, max_tokens=max_tokens)
+    first = Worker(settings, pipeline, STAGE, worker_id="w1", backend=first_backend)
+    first_task = asyncio.create_task(first.run())
+    try:
+        await coordinator.open("s1")
+        await coordinator.append("s1", "append_text", TextPayload("hello there"))
+        await coordinator.commit("s1")
+        turn1 = await read_until(coordinator, has_done)
+        answer1 = "".join(o.text for o in outputs(turn1, OutputKind.TEXT_DELTA))
+        await coordinator.append("s1", "append_text", TextPayload("what next?"))
+        await coordinator.commit("s1")
+        turn2 = await read_until(coordinator, lambda d: len(outputs(d)) >= 5)
+        doomed = outputs(turn2)[0].meta["request_id"]
+        assert doomed in engine.live_request_ids()
+
+        # The worker dies: its work stops at once and it hands nothing back, so
+        # the session moves only when its lease expires.
+        async def no_hand_back(*args, **kwargs):
+            return None
+
+        first.ownership.release = no_hand_back
+        first.request_stop()
+        await asyncio.wait_for(first_task, 20)
+        await eventually(lambda: doomed not in engine.live_request_ids())
+        assert first_backend.records[doomed].outcome == "cancelled"
+
+        second_backend = backend_for(engine, max_tokens=max_tokens)
+        async with running_worker(
+            settings, pipeline, STAGE, worker_id="w2", backend=second_backend
+        ):
+            rest = await read_until(coordinator, lambda d: has_done(d, incarnation=1), timeout=60)
+        turn2 += rest
+        barrier = [
+            i
+            for i, d in enumerate(turn2)
+            if isinstance(d.event, ControlEvent) and d.event.kind is ControlKind.FAILOVER
+        ]
+        assert barrier, "no failover barrier reached the client"
+        assert all(o.fence.incarnation == 1 for o in outputs(turn2[barrier[0] :]))
+        heard_before = outputs(turn2[: barrier[0]], OutputKind.TEXT_DELTA)
+        assert heard_before and all(o.fence.incarnation == 0 for o in heard_before)
+
+        # The new owner's prompt: the first exchange as delivered, the second
+        # question, and the part of the answer the user already got.
+        (continued,) = [r for r in second_backend.records.values() if r.outcome.startswith("fin")]
+        partial = "".join(o.text for o in heard_before)
+        assert continued.prompt == (
+            "<|im_start|>user\nhello there<|im_end|>\n"
+            f"<|im_start|>assistant\n{answer1}<|im_end|>\n"
+            "<|im_start|>user\nwhat next?<|im_end|>\n"
+            f"<|im_start|>assistant\n{partial}"
+        )
+        # ... so the answer goes on where it stopped and ends as if never cut.
+        answer2 = outputs(turn2, OutputKind.TEXT_DELTA)
+        answer2_ids = tuple(i for o in answer2 for i in o.token_ids)
+        full = await reference(engine, first_backend.records[doomed].prompt, max_tokens)
+        assert answer2_ids == full
+        done = outputs(turn2, OutputKind.DONE)[-1]
+        assert done.fence.incarnation == 1 and done.meta["finish_reason"] == "length"
+        assert done.meta["tokens"] == max_tokens - sum(len(o.token_ids) for o in heard_before)
+        assert not engine.live_request_ids()
+    finally:
+        if not first_task.done():
+            first_task.cancel()
+        await coordinator.aclose()

@@ -1,0 +1,283 @@
+"""The ``vllm`` stage: a text chat model served by vLLM's async engine.
+
+Chat flow. Text and token inputs of the session log (or an upstream stage's
+text deltas and transcripts) accumulate as the user's message; a turn commit
+(``turn_commit_only``, or an upstream ``done``) closes it and starts a
+response. The prompt is the session's history rendered with the tokenizer's
+chat template; tokens stream out as ``text_delta`` drafts (``flush=True``,
+with their token ids and the request id in ``meta``), then one ``done``
+draft with the finish reason. A commit with nothing new to answer gets a
+``done`` alone (``finish_reason: nothing_to_answer``). Audio and video are
+not for a text model and are skipped.
+
+Requests. Each response is one engine request whose id comes from the fence
+codec: ``make_request_id(fence, "<stage>-t<turn>-r<n>")`` where ``turn``
+counts the session's commits and ``n`` this backend's requests, so an id is
+never reused in the engine.
+
+Interruption. ``release(ctx, fence)`` (barge-in, ``response.cancel``) aborts
+every request of the session the engine still tracks whose id decodes to the
+released (incarnation, epoch) or an earlier one, and cuts the response in the
+history at what was produced: the deltas already handed to the worker. (The
+worker drops deltas still queued when the fence moves, so at most those few
+tokens differ from what the user got; a failover rebuild uses the published
+outputs exactly.) The runtime also cancels the task generating the response;
+that cancellation aborts the request too. Either way nothing more is yielded
+for it, and it is gone from the engine before ``release`` returns.
+
+Failover. ``start(ctx, inputs, outputs)`` rebuilds the history from the
+recorded inputs and this stage's own accepted outputs, so the new owner
+continues with the context the user heard. A response the previous owner was
+still streaming is continued after its delivered deltas rather than redone.
+
+History bounds (policy). The stored history keeps the newest
+``history_max_messages`` messages (default 32). Each prompt keeps the
+``system_prompt`` and then as many of the newest exchanges as fit
+``history_max_tokens`` (default ``max_model_len - max_tokens``); the oldest
+go first, whole, so the prompt starts with a user message. A user message
+too long to fit alone is answered with an error and dropped from the history.
+
+Options: see ``vllm_options.VllmOptions`` (model, dtype, max_model_len,
+gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, seed,
+max_tokens, temperature, top_p, system_prompt, history_max_messages,
+history_max_tokens). The pure rules live in ``vllm_history``; the engine
+wrapper in ``vllm_engine``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.request_ids import make_request_id
+from schemas.events import OutputEvent, OutputKind
+from schemas.fence import Fence
+from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.vllm_engine import SamplingSpec, VllmEngine
+from workers.backends.vllm_history import (
+    ChatHistory,
+    Contribution,
+    Produced,
+    PromptTooLong,
+    Response,
+    classify,
+    rebuild,
+    released_by,
+)
+from workers.backends.vllm_options import VllmOptions, parse_options
+
+log = logging.getLogger("duplexq.worker.vllm")
+
+STATE_KEY = "vllm"
+RECORDS_KEPT = 256
+
+
+@dataclass
+class SessionChat:
+    """A session's state in this backend (kept in ``StageContext.state``)."""
+
+    history: ChatHistory
+    live: dict[str, Response] = field(default_factory=dict)
+    """Responses being generated, by request id."""
+    last_prompt: str = ""
+    """The prompt text of the latest request (for logs and tests)."""
+
+    def settle(self, request_id: str) -> Response | None:
+        """End a live response once: its produced text joins the history."""
+        response = self.live.pop(request_id, None)
+        if response is not None:
+            self.history.add_assistant(response.produced)
+        return response
+
+
+@dataclass
+class RequestRecord:
+    """What became of one engine request (the newest ``RECORDS_KEPT`` are kept)."""
+
+    request_id: str
+    session_id: str
+    prompt: str
+    outcome: str = "running"
+    """``running``, ``finished:<reason>``, ``released``, ``cancelled`` or ``failed``."""
+    tokens: int = 0
+
+
+class VllmBackend:
+    """A ``StageBackend`` over one vLLM engine (see the module docstring)."""
+
+    name = "vllm"
+    continuous_input = False
+    """Inputs accepted before a barge-in only join the context (``absorb``)."""
+    follows_responses = True
+    """Outputs are a response: a newer response supersedes them."""
+
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        *,
+        stage: str = "vllm",
+        engine: VllmEngine | None = None,
+    ) -> None:
+        self.options: VllmOptions = parse_options(stage, options)
+        self.engine = engine or VllmEngine(self.options)
+        self._owns_engine = engine is None
+        self._numbers = itertools.count(1)
+        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
+        """Fences released lately (newest last)."""
+
+    # -- session lifecycle -----------------------------------------------------------
+
+    async def start(
+        self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
+    ) -> None:
+        history = ChatHistory(self.options.history_max_messages)
+        rebuild(history, inputs, [o for o in outputs if o.stage == ctx.stage])
+        ctx.state[STATE_KEY] = SessionChat(history)
+        # Not awaited: the engine may take long to start and the session's
+        # lease is only renewed once start returns.
+        self.engine.start_soon()
+
+    async def stop(self, ctx: StageContext) -> None:
+        chat = ctx.state.pop(STATE_KEY, None)
+        if isinstance(chat, SessionChat) and chat.live:
+            doomed = list(chat.live)
+            chat.live.clear()
+            self._note(doomed, "cancelled")
+            await self.engine.abort(doomed)
+
+    async def aclose(self) -> None:
+        if self._owns_engine:
+            await self.engine.shutdown()
+
+    def _chat(self, ctx: StageContext) -> SessionChat:
+        chat = ctx.state.get(STATE_KEY)
+        if not isinstance(chat, SessionChat):
+            chat = ctx.state[STATE_KEY] = SessionChat(
+                ChatHistory(self.options.history_max_messages)
+            )
+        return chat
+
+    # -- events ------------------------------------------------------------------------
+
+    async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
+        chat = self._chat(ctx)
+        contribution, part = classify(event)
+        if contribution is Contribution.USER_PART:
+            chat.history.add_user(part)
+        elif contribution is Contribution.COMMIT:
+            carried = chat.history.close_user(event.seq)
+            async for draft in self._respond(ctx, chat, event.seq, carried or Produced()):
+                yield draft
+
+    async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
+        """Context only: a commit closes the user's message but asks for nothing."""
+        chat = self._chat(ctx)
+        contribution, part = classify(event)
+        if contribution is Contribution.USER_PART:
+            chat.history.add_user(part)
+        elif contribution is Contribution.COMMIT:
+            carried = chat.history.close_user(event.seq)
+            if carried is not None:
+                chat.history.add_assistant(carried)
+
+    async def release(self, ctx: StageContext, fence: Fence) -> None:
+        self.released.append(fence)
+        chat = self._chat(ctx)
+        doomed = [rid for rid in chat.live if released_by(rid, fence)]
+        for request_id in doomed:
+            chat.settle(request_id)
+        # Anything else of this session the engine still runs (by decoding ids).
+        doomed += [
+            rid
+            for rid in self.engine.live_request_ids()
+            if rid not in doomed and released_by(rid, fence)
+        ]
+        self._note(doomed, "released")
+        await self.engine.abort(doomed)
+        if doomed:
+            log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
+
+    # -- responses -----------------------------------------------------------------------
+
+    async def _respond(
+        self, ctx: StageContext, chat: SessionChat, seq: int, carried: Produced
+    ) -> AsyncIterator[OutputDraft]:
+        if not chat.history.awaits_answer():
+            yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "nothing_to_answer"})
+            return
+        max_tokens = self.options.max_tokens - len(carried.token_ids)
+        if max_tokens <= 0:  # the previous owner had produced all of it
+            chat.history.add_assistant(carried)
+            yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
+            return
+        prompt_ids = await self._prompt(chat, carried)
+        role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
+        request_id = make_request_id(ctx.fence, role)
+        response = chat.live[request_id] = Response(request_id, seq, carried)
+        record = self._record(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
+        spec = SamplingSpec(
+            max_tokens, self.options.temperature, self.options.top_p, self.options.seed
+        )
+        finish: str | None = None
+        try:
+            async for step in self.engine.generate(prompt_ids, spec, request_id):
+                if request_id not in chat.live or step.finish_reason == "abort":
+                    break  # released meanwhile: nothing more for this request
+                if step.text or step.token_ids:
+                    response.add(step.text, step.token_ids)
+                    record.tokens += len(step.token_ids)
+                    yield OutputDraft(
+                        OutputKind.TEXT_DELTA,
+                        text=step.text,
+                        token_ids=step.token_ids,
+                        meta={"request_id": request_id},
+                        flush=True,
+                    )
+                finish = step.finish_reason
+        except BackendError:
+            record.outcome = "failed"
+            raise
+        finally:
+            settled = chat.settle(request_id)
+            if record.outcome == "running":
+                record.outcome = "cancelled" if finish is None else f"finished:{finish}"
+        if finish is not None and settled is not None:
+            yield OutputDraft(
+                OutputKind.DONE,
+                meta={"request_id": request_id, "finish_reason": finish, "tokens": record.tokens},
+            )
+
+    async def _prompt(self, chat: SessionChat, carried: Produced) -> list[int]:
+        """Token ids of the next prompt: the fitted history, then any carried deltas."""
+        await self.engine.ready()
+        budget = self.options.prompt_budget - len(carried.token_ids)
+        try:
+            messages, _ = chat.history.fit(
+                self.engine.decode, self.engine.count, budget, self.options.system_prompt
+            )
+        except PromptTooLong as exc:
+            chat.history.drop_last_user()
+            log.warning("%s: %s; the message is dropped", self.options.model, exc)
+            raise BackendError(str(exc)) from exc
+        text = self.engine.render(messages)
+        chat.last_prompt = text + carried.text
+        return self.engine.encode(text) + list(carried.token_ids)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _record(self, record: RequestRecord) -> RequestRecord:
+        self.records[record.request_id] = record
+        while len(self.records) > RECORDS_KEPT:
+            self.records.popitem(last=False)
+        return record
+
+    def _note(self, request_ids: Sequence[str], outcome: str) -> None:
+        for request_id in request_ids:
+            record = self.records.get(request_id)
+            if record is not None and record.outcome == "running":
+                record.outcome = outcome

@@ -1,0 +1,234 @@
+"""The pure core of the ``vllm`` stage: a session's chat history and its rules.
+
+Nothing here does I/O or awaits; ``vllm_backend`` (the shell) calls it and
+carries out what it returns. Theory of operation:
+
+- **What an event contributes** (``classify``): text and token inputs (and an
+  upstream stage's text deltas and transcripts) are parts of the user's
+  message; a turn commit (or an upstream ``done``) closes that message and
+  asks for a response; audio, video and everything else contribute nothing
+  to a text model.
+- **History**: closed user messages and the assistant's responses, in order.
+  Consecutive messages of one role are merged when rendered, so a user turn
+  that got no answer (absorbed after a barge-in) joins the next one. The
+  assistant's part of a response is exactly what was produced for the user:
+  a response cut short (barge-in, crash) keeps its produced prefix.
+- **Live responses**: a response being generated is recorded under its
+  request id until it ends; whichever comes first, its natural end, its
+  release (cancel) or the cancellation of the task generating it, *settles*
+  it: the produced text joins the history once, and nothing more is produced
+  for it.
+- **Rebuild** (failover): replay the recorded inputs, and take each
+  response's text from this stage's own accepted outputs (deltas grouped by
+  the input ``seq`` that asked for them). Deltas of a commit the previous
+  owner had not finished applying are *carried*: when the commit is handled
+  again, generation continues after them instead of starting over.
+- **Bounds**: the stored history keeps at most ``max_messages`` messages; a
+  prompt keeps the system prompt, then drops the oldest messages (whole
+  exchanges, so it starts with a user message) until it fits the token
+  budget. A newest user message that does not fit alone is refused and
+  dropped, so one oversized input cannot wedge the session.
+- **Release rule** (``released_by``): a request belongs to a released fence
+  when its id decodes to the same session and an (incarnation, epoch) no
+  later than the released one. Membership is decided by decoding the id,
+  never by comparing prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Literal
+
+from coordinator.request_ids import parse_request_id
+from schemas.events import (
+    CommitPayload,
+    OutputEvent,
+    OutputKind,
+    TextPayload,
+    TokensPayload,
+)
+from schemas.fence import Fence
+from workers.backends.base import StageEvent
+
+Part = str | tuple[int, ...]
+"""A piece of user input: text, or token ids (decoded when a prompt is rendered)."""
+Role = Literal["user", "assistant"]
+Decode = Callable[[Sequence[int]], str]
+ChatMessages = list[dict[str, str]]
+
+
+class Contribution(Enum):
+    NOTHING = auto()
+    USER_PART = auto()
+    COMMIT = auto()
+
+
+def classify(event: StageEvent) -> tuple[Contribution, Part]:
+    """What one event adds to a text model's context."""
+    if isinstance(event, OutputEvent):
+        if event.kind in (OutputKind.TEXT_DELTA, OutputKind.TRANSCRIPT) and event.text:
+            return Contribution.USER_PART, event.text
+        if event.kind is OutputKind.DONE:
+            return Contribution.COMMIT, ""
+        return Contribution.NOTHING, ""
+    payload = event.payload
+    if isinstance(payload, TextPayload) and payload.text:
+        return Contribution.USER_PART, payload.text
+    if isinstance(payload, TokensPayload) and payload.token_ids:
+        return Contribution.USER_PART, payload.token_ids
+    if isinstance(payload, CommitPayload):
+        return Contribution.COMMIT, ""
+    return Contribution.NOTHING, ""
+
+
+def released_by(request_id: str, fence: Fence) -> bool:
+    """Whether releasing ``fence`` releases the request ``request_id`` (decoded)."""
+    try:
+        parts = parse_request_id(request_id)
+    except ValueError:
+        return False
+    if parts.session_id != fence.session_id:
+        return False
+    return (parts.incarnation, parts.epoch) <= (fence.incarnation, fence.epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    """Assistant output already delivered for one response."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+    def __add__(self, other: Produced) -> Produced:
+        return Produced(self.text + other.text, self.token_ids + other.token_ids)
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    parts: list[Part]
+
+    def render(self, decode: Decode) -> str:
+        return "".join(p if isinstance(p, str) else decode(p) for p in self.parts)
+
+
+@dataclass(slots=True)
+class Response:
+    """One response while it is generated."""
+
+    request_id: str
+    seq: int
+    """The input seq (commit) that asked for it."""
+    carried: Produced
+    """Delivered before this request started (by a previous owner of the session)."""
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, text: str, token_ids: Sequence[int]) -> None:
+        self.text.append(text)
+        self.token_ids.extend(token_ids)
+
+    @property
+    def produced(self) -> Produced:
+        return self.carried + Produced("".join(self.text), tuple(self.token_ids))
+
+
+class PromptTooLong(ValueError):
+    """The newest user message does not fit the prompt budget on its own."""
+
+
+@dataclass
+class ChatHistory:
+    """A session's conversation as the model sees it."""
+
+    max_messages: int
+    messages: list[Message] = field(default_factory=list)
+    pending: list[Part] = field(default_factory=list)
+    """User parts since the last commit."""
+    turns: int = 0
+    """Commits seen; numbers the responses."""
+    carried: dict[int, Produced] = field(default_factory=dict)
+    """Deltas already delivered for commits not yet applied, by commit seq."""
+
+    def add_user(self, part: Part) -> None:
+        self.pending.append(part)
+
+    def close_user(self, seq: int) -> Produced | None:
+        """Close the user's message at commit ``seq``.
+
+        Returns what was already delivered for this commit by a previous owner
+        (continue after it), or None when nothing was.
+        """
+        self.turns += 1
+        if self.pending:
+            self._append("user", list(self.pending))
+            self.pending.clear()
+        return self.carried.pop(seq, None)
+
+    def add_assistant(self, produced: Produced) -> None:
+        if produced.text:
+            self._append("assistant", [produced.text])
+
+    def awaits_answer(self) -> bool:
+        return bool(self.messages) and self.messages[-1].role == "user"
+
+    def drop_last_user(self) -> None:
+        if self.awaits_answer():
+            self.messages.pop()
+
+    def _append(self, role: Role, parts: list[Part]) -> None:
+        if self.messages and self.messages[-1].role == role:
+            joiner: list[Part] = ["\n"] if role == "user" else []
+            self.messages[-1].parts.extend(joiner + parts)
+        else:
+            self.messages.append(Message(role, parts))
+        excess = len(self.messages) - self.max_messages
+        if excess > 0:
+            del self.messages[:excess]
+        while self.messages and self.messages[0].role != "user" and len(self.messages) > 1:
+            del self.messages[0]
+
+    def chat(self, decode: Decode, system: str | None = None, start: int = 0) -> ChatMessages:
+        """Messages from ``start`` on, as a chat template takes them."""
+        chat: ChatMessages = [{"role": "system", "content": system}] if system else []
+        chat += [{"role": m.role, "content": m.render(decode)} for m in self.messages[start:]]
+        return chat
+
+    def fit(
+        self, decode: Decode, count: Callable[[ChatMessages], int], budget: int, system: str | None
+    ) -> tuple[ChatMessages, int]:
+        """The longest tail of the history whose prompt fits ``budget`` tokens.
+
+        Returns the chat and its token count; drops the oldest exchanges first.
+        Raises PromptTooLong when not even the newest user message fits.
+        """
+        starts = [i for i, m in enumerate(self.messages) if m.role == "user"]
+        for start in starts:
+            chat = self.chat(decode, system, start)
+            tokens = count(chat)
+            if tokens <= budget:
+                return chat, tokens
+        raise PromptTooLong(f"the newest user message does not fit {budget} prompt tokens")
+
+
+def rebuild(
+    history: ChatHistory, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
+) -> None:
+    """Replay recorded inputs and this stage's accepted outputs into ``history``."""
+    answers: dict[int, Produced] = {}
+    for output in outputs:
+        if output.kind is OutputKind.TEXT_DELTA:
+            delta = Produced(output.text, output.token_ids)
+            answers[output.source_seq] = answers.get(output.source_seq, Produced()) + delta
+    last_seq = 0
+    for event in inputs:
+        last_seq = max(last_seq, event.seq)
+        contribution, part = classify(event)
+        if contribution is Contribution.USER_PART:
+            history.add_user(part)
+        elif contribution is Contribution.COMMIT:
+            history.close_user(event.seq)
+            history.add_assistant(answers.get(event.seq, Produced()))
+    history.carried = {seq: done for seq, done in answers.items() if seq > last_seq}

@@ -1,0 +1,100 @@
+"""Options of a ``vllm`` stage (``StageConfig.options``), validated when the backend is built.
+
+Engine options (``model`` .. ``seed``) configure the one engine a worker
+process runs; sampling and history options apply per response. Unknown keys
+are refused so that a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class VllmOptions(BaseModel):
+    """What a ``vllm`` stage's ``options`` table may hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    model: str = Field(min_length=1)
+    """Model directory or Hugging Face id (workers have no network: use a local path)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or id when it differs from ``model``; needs a chat template."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weight and activation dtype."""
+    max_model_len: int = Field(4096, ge=32, le=1_048_576)
+    """Context length of one request: prompt plus generated tokens."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of accelerator memory the engine may take. On the CPU build it is the
+    fraction of system memory, and is ignored when ``kv_cache_memory_bytes`` is set."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20)
+    """Explicit KV cache size in bytes (on CPU this also skips the start-up profiling run)."""
+    enforce_eager: bool = False
+    """Run the model eagerly: no graph capture or compilation (faster start, slower steps)."""
+    seed: int | None = Field(None, ge=0)
+    """Engine seed, and the per-request sampling seed: responses are reproducible."""
+    max_tokens: int = Field(256, ge=1)
+    """Most tokens one response generates."""
+    temperature: float = Field(0.7, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    system_prompt: str | None = None
+    """System message placed before the conversation; always kept."""
+    history_max_messages: int = Field(32, ge=2, le=10_000)
+    """Most user/assistant messages kept in a session's history (oldest dropped first)."""
+    history_max_tokens: int | None = Field(None, ge=16)
+    """Token budget of a prompt; default ``max_model_len - max_tokens``."""
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> Self:
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})"
+            )
+        if self.history_max_tokens is not None and (
+            self.history_max_tokens + self.max_tokens > self.max_model_len
+        ):
+            raise ValueError(
+                f"history_max_tokens + max_tokens ({self.history_max_tokens} + "
+                f"{self.max_tokens}) must not exceed max_model_len ({self.max_model_len})"
+            )
+        return self
+
+    @property
+    def prompt_budget(self) -> int:
+        """Most prompt tokens one request may carry."""
+        if self.history_max_tokens is not None:
+            return self.history_max_tokens
+        return self.max_model_len - self.max_tokens
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.AsyncEngineArgs``."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enforce_eager": self.enforce_eager,
+            "disable_log_stats": True,
+        }
+        if self.tokenizer is not None:
+            kwargs["tokenizer"] = self.tokenizer
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        return kwargs
+
+
+def parse_options(stage: str, options: Mapping[str, Any]) -> VllmOptions:
+    """Validate a stage's options; raises ValueError naming the stage and each bad field."""
+    try:
+        return VllmOptions.model_validate(dict(options))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'options'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ValueError(f"vllm stage {stage!r}: bad options: {problems}") from exc
