@@ -27,7 +27,7 @@ from schemas.keys import Keys
 from workers.__main__ import load_pipeline_or_echo, load_settings
 from workers.__main__ import main as worker_main
 
-DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "echo.toml"
+DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

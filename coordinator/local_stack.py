@@ -2,9 +2,9 @@
 
 Starts Redis (a private redis-server with AOF under ``var/`` unless a Redis
 URL is given), one worker process per pipeline stage and the control plane,
-then drives a demonstration session through the pipeline: streamed outputs,
-a barge-in that silences the response at once, and a worker killed with
-SIGKILL whose session another worker takes over. It keeps serving until
+then drives a demonstration session through the pipeline: a typed turn
+answered end to end, a barge-in after which nothing stale is delivered, and a
+worker killed with SIGKILL whose session another worker takes over. It keeps serving until
 Ctrl-C (``--demo-only`` stops after the demonstration).
 """
 
@@ -21,9 +21,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.connection import terminal_stages
 from coordinator.service import Coordinator
 from schemas.config import PipelineConfig, Settings
-from schemas.events import OutputEvent, TextPayload
+from schemas.events import OutputEvent, OutputKind, TextPayload
 
 
 def _free_port() -> int:
@@ -141,33 +142,37 @@ async def _drain(
     return got
 
 
-def _text(outputs: list[OutputEvent]) -> str:
-    return "".join(o.text for o in outputs)
-
-
 async def demonstrate(
     stack: LocalStack, pipeline: PipelineConfig, out: Callable[..., object] = print
 ) -> bool:
-    """Drive one session through the stack, narrating; True when every check held."""
+    """Drive one session through the stack, narrating; True when every check held.
+
+    Works for any pipeline: it types its turns (every stage passes typed text on),
+    and a turn is answered when a client-facing chain end says ``done``.
+    """
     coordinator = Coordinator(stack.settings, pipeline)
+    ends = set(terminal_stages(pipeline))
     sid = f"demo-{uuid.uuid4().hex[:8]}"
     ok = True
+
+    def answered(got: list[OutputEvent]) -> bool:
+        return any(o.kind is OutputKind.DONE and o.stage in ends for o in got)
+
     try:
         fence = await coordinator.open(sid)
         out(f"opened session {sid} at fence {fence}")
-        said = "full duplex sessions over a message queue"
-        for word in said.split(" "):
-            await coordinator.append(sid, "append_text", TextPayload(word + " "))
-        got = await _drain(coordinator, lambda got: _text(got).strip() == said, 30)
-        out(f"streamed back in {len(got)} chunks: {_text(got).strip()!r}")
-        ok &= _text(got).strip() == said
+        await coordinator.append(sid, "append_text", TextPayload("hello, who are you?"))
+        await coordinator.commit(sid)
+        got = await _drain(coordinator, answered, 300)
+        out(f"answered with {len(got)} outputs: {_summary(got)}")
+        ok &= answered(got)
 
-        await coordinator.append(sid, "append_text", TextPayload("interrupt me " * 20))
-        await _drain(coordinator, lambda got: len(got) >= 2, 10)
+        await coordinator.append(sid, "append_text", TextPayload("tell me a long story " * 8))
+        await coordinator.commit(sid)
+        await _drain(coordinator, bool, 120)
         result = await coordinator.cancel(sid, reason="barge_in")
         out(f"barge-in acknowledged: epoch {result.cancelled.epoch} -> {result.fence.epoch}")
-        await coordinator.append(sid, "append_text", TextPayload("after the interruption"))
-        late = await _drain(coordinator, lambda got: "interruption" in _text(got), 30)
+        late = await _drain(coordinator, lambda got: False, 2)
         stale = [o for o in late if o.fence.epoch < result.fence.epoch]
         out(f"after the barge-in: {len(stale)} stale outputs delivered, "
             f"{coordinator.reader.dropped.total()} dropped by the reader")  # fmt: skip
@@ -177,6 +182,15 @@ async def demonstrate(
         await coordinator.close(sid)
         await coordinator.aclose()
     return ok
+
+
+def _summary(got: list[OutputEvent]) -> str:
+    text = "".join(o.text for o in got if o.kind is OutputKind.TEXT_DELTA)
+    audio = sum(len(o.data) for o in got if o.kind is OutputKind.AUDIO_DELTA)
+    parts = [f"text {text[:80]!r}"] if text else []
+    if audio:
+        parts.append(f"{audio // 48} ms of 24 kHz speech")
+    return ", ".join(parts) or "no text or audio"
 
 
 async def _demonstrate_failover(
@@ -194,8 +208,9 @@ async def _demonstrate_failover(
         return True
     stack.kill(owner)
     killed_at = time.monotonic()
-    await coordinator.append(sid, "append_text", TextPayload("still here"))
-    got = await _drain(coordinator, bool, 30)
+    await coordinator.append(sid, "append_text", TextPayload("are you still there?"))
+    await coordinator.commit(sid)
+    got = await _drain(coordinator, bool, 120)
     if not got:
         out("failover: no output after the worker was killed")
         return False

@@ -21,6 +21,8 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
             "--demo-only",
             "--port",
             str(port),
+            "--pipeline",
+            str(ROOT / "configs" / "echo.toml"),
             "--workdir",
             str(tmp_path),
         ],
@@ -34,6 +36,7 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
     assert "demonstration passed" in proc.stdout
     assert f"demo page: http://127.0.0.1:{port}/?api_key=" in proc.stdout
     assert "0 stale outputs delivered" in proc.stdout
+    assert "answered with" in proc.stdout and "text 'hello, who are you?" in proc.stdout
     assert "at incarnation 1" in proc.stdout
     assert (tmp_path / "logs" / "thinker-0.log").exists()
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 from workers.backends.base import BackendError
+from workers.backends.model_source import resolve_model
 from workers.backends.vllm_history import ChatMessages
 from workers.backends.vllm_options import VllmOptions
 
@@ -111,6 +112,8 @@ class VllmEngine:
         self._built: list[Any] = []
         self.start_s: float | None = None
         """Seconds the engine took to start."""
+        self.fallback = False
+        """Whether the engine serves the tiny fallback model (see model_source)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -121,7 +124,13 @@ class VllmEngine:
         so that no frame or future of the thread pool keeps it alive after
         ``shutdown`` (vLLM leaves this frame reachable).
         """
-        engine_args = _vllm("vllm.engine.arg_utils").AsyncEngineArgs(**self.options.engine_kwargs())
+        kwargs = self.options.engine_kwargs()
+        kwargs["model"], self.fallback = resolve_model(
+            self.options.model, self.options.fallback_model_dir
+        )
+        if self.fallback:
+            kwargs.pop("tokenizer", None)  # the tiny model brings its own
+        engine_args = _vllm("vllm.engine.arg_utils").AsyncEngineArgs(**kwargs)
         async_llm = _vllm("vllm.v1.engine.async_llm").AsyncLLM
         self._built.append(async_llm.from_engine_args(engine_args))
 

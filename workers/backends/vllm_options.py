@@ -47,6 +47,9 @@ class VllmOptions(BaseModel):
     """Most user/assistant messages kept in a session's history (oldest dropped first)."""
     history_max_tokens: int | None = Field(None, ge=16)
     """Token budget of a prompt; default ``max_model_len - max_tokens``."""
+    fallback_model_dir: str | None = None
+    """Where to build a tiny local model when ``model`` is neither local, cached nor
+    downloadable (logged as a warning); unset: such a model is an error."""
 
     @model_validator(mode="after")
     def _check_budget(self) -> Self:

@@ -1,0 +1,142 @@
+"""A tiny chat model built locally: no downloads.
+
+Used by the tests, and by a ``vllm`` stage as its fallback when the configured
+model cannot be found or fetched (``fallback_model_dir``), so the default
+pipeline still runs on a machine without network.
+
+``build_tiny_model(path)`` writes a Hugging Face model directory that vLLM
+loads like any other: a byte-level BPE tokenizer trained on the small corpus
+below (with ChatML special tokens and chat template), and a two-layer
+Qwen2-architecture model with random weights. Attention heads are 64 wide:
+vLLM's CPU attention rejects narrower heads (16 fails).
+
+The weights are random, so the text is gibberish, but it is deterministic
+(fixed seed, greedy sampling) and real: every token comes out of the engine.
+The output rows of the special tokens, and of every token that is not
+printable ASCII, are zeroed: greedy decoding then never ends a response early,
+never produces a token that detokenizes to nothing, and its text round-trips
+through the tokenizer.
+
+Building takes about a second; a directory already built (marked by
+``READY``) is reused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "hello there, how are you doing today?",
+    "the quick brown fox jumps over the lazy dog.",
+    "a full duplex model listens while it speaks and stops when interrupted.",
+    "stream the tokens to the client as soon as they are ready.",
+    "the weather is sunny with a light breeze from the west.",
+    "tell me a story about a robot who learned to paint.",
+    "numbers: one two three four five six seven eight nine ten.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Please summarise the meeting notes in three short points.",
+    "I would like a cup of tea and a slice of lemon cake.",
+]
+
+HIDDEN = 128
+HEADS = 2
+"""head_dim = HIDDEN // HEADS = 64."""
+MAX_POSITIONS = 1024
+READY = "READY"
+
+
+def build_tiny_model(path: str | Path) -> Path:
+    """Write the tiny tokenizer and model into ``path`` (reused when already built)."""
+    path = Path(path)
+    if (path / READY).exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    tokenizer.save_pretrained(path)
+    _build_model(path, tokenizer)
+    (path / READY).write_text("ok\n")
+    return path
+
+
+def _build_tokenizer() -> Any:
+    # Imported by name: neither library is typed, and only builders use them.
+    tk: Any = importlib.import_module("tokenizers")
+    tf: Any = importlib.import_module("transformers")
+    Tokenizer, decoders, models = tk.Tokenizer, tk.decoders, tk.models
+    pre_tokenizers, trainers = tk.pre_tokenizers, tk.trainers
+    PreTrainedTokenizerFast = tf.PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=MAX_POSITIONS,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build_model(path: Path, tokenizer: Any) -> None:
+    torch: Any = importlib.import_module("torch")
+    tf: Any = importlib.import_module("transformers")
+    GenerationConfig, Qwen2Config, Qwen2ForCausalLM = (
+        tf.GenerationConfig,
+        tf.Qwen2Config,
+        tf.Qwen2ForCausalLM,
+    )
+
+    vocab = -(-len(tokenizer) // 64) * 64
+    special = [tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS]
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=special[1],
+        eos_token_id=special[2],
+        pad_token_id=special[0],
+        torch_dtype="float32",
+    )
+    torch.manual_seed(1234)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.5)
+        # No special token and no padding row ever wins a greedy step.
+        head[len(tokenizer) :] = 0.0
+        for token_id in range(len(tokenizer)):
+            text = tokenizer.decode([token_id])
+            if token_id in special or not (text.isascii() and text.isprintable()):
+                head[token_id] = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(eos_token_id=special[2], pad_token_id=special[0]).save_pretrained(path)
+    (path / "duplexq_tiny.json").write_text(json.dumps({"vocab": vocab, "special": special}))
