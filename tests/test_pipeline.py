@@ -10,7 +10,7 @@ from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
 from schemas.fence import Fence
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
-from workers.backends.base import OutputDraft
+from workers.backends.base import BackendError, OutputDraft
 from workers.backends.echo import EchoBackend
 from workers.runtime import Worker
 
@@ -168,5 +168,33 @@ async def test_a_backend_can_speak_between_inputs(settings):
             got = outputs_of(await collect(coordinator, 1))
         assert [o.text for o in got] == ["unprompted"]
         assert got[0].fence == Fence("s1")
+    finally:
+        await coordinator.aclose()
+
+
+class _Fragile(EchoBackend):
+    async def handle(self, ctx, event):
+        if event.payload == TextPayload("boom"):
+            raise BackendError("the model fell over")
+        async for draft in super().handle(ctx, event):
+            yield draft
+
+
+async def test_a_failing_backend_call_is_an_error_output_and_the_session_goes_on(settings):
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, "echo", backend=_Fragile()) as worker:
+            await coordinator.open("s1")
+            for text in ("before", "boom", "after"):
+                await coordinator.append("s1", "append_text", TextPayload(text))
+            got = outputs_of(await collect(coordinator, 3))
+            assert "s1" in worker.actors
+        assert [(o.kind, o.text) for o in got] == [
+            (OutputKind.TEXT_DELTA, "before"),
+            (OutputKind.ERROR, "the model fell over"),
+            (OutputKind.TEXT_DELTA, "after"),
+        ]
+        assert got[1].meta["code"] == "backend_error"
     finally:
         await coordinator.aclose()

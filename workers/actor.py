@@ -26,7 +26,6 @@ are skipped by ``seq``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -267,8 +266,8 @@ class SessionActor:
                 await self._flush(progress=False)
 
     async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await producer
+        # wait() neither raises the producer's error nor hides our own cancellation.
+        await asyncio.wait({producer})
         if producer.cancelled() or producer.exception() is None:
             return
         exc = producer.exception()

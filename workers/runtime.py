@@ -268,7 +268,16 @@ class Worker:
         try:
             while actor.active:
                 batch = await actor.queue.get()
-                await actor.apply(batch)
+                try:
+                    await actor.apply(batch)
+                except Exception:
+                    # One session's failure must not take the worker (and its other
+                    # sessions) down: hand this one back and go on.
+                    log.exception(
+                        "session failed; handing it back",
+                        extra=session_extra(actor.session_id, actor.ctx.fence, stage=self.stage),
+                    )
+                    actor.stop()
         finally:
             await self._retire(actor)
 
