@@ -203,8 +203,9 @@ async def _demonstrate_failover(
     stage = pipeline.stages[0].name
     raw = await coordinator.bus.client.get(coordinator.bus.keys.session(sid).lease(stage))
     owner = raw.decode().split()[0] if raw else None
-    if owner not in stack.procs:
-        out("failover: skipped (no local owner found)")
+    replicas = [name for name in stack.procs if name.startswith(f"{stage}-")]
+    if owner not in stack.procs or len(replicas) < 2:
+        out("failover: skipped (it needs two local workers of the stage; use --workers 2)")
         return True
     stack.kill(owner)
     killed_at = time.monotonic()

@@ -201,7 +201,8 @@ def engine_test(fn):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+    import vllm  # noqa: F401 - scripts/setup installs it; a missing vLLM fails these tests
+
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
@@ -450,4 +451,49 @@ async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engi
     finally:
         if not first_task.done():
             first_task.cancel()
+        await coordinator.aclose()
+
+
+@engine_test
+async def test_d_a_spoken_sentence_reaches_the_thinkers_prompt(engine, settings):
+    """espeak-ng speech -> vad -> asr -> the vLLM thinker: the transcription is its prompt."""
+    import numpy as np
+
+    from tests.speech import chunks, silence, speak
+    from workers.backends.asr import AsrBackend
+    from workers.backends.vad import VadBackend
+
+    pipeline = PipelineConfig(
+        name="spoken",
+        stages=(
+            StageConfig(name="vad", backend="vad"),
+            StageConfig(name="asr", backend="asr", input="vad"),
+            StageConfig(
+                name=STAGE, backend="vllm", input="asr", to_client=True, options={"model": "x"}
+            ),
+        ),
+    )
+    thinker = backend_for(engine, max_tokens=4)
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with (
+            running_worker(settings, pipeline, "vad", backend=VadBackend({})),
+            running_worker(settings, pipeline, "asr", backend=AsrBackend({})),
+            running_worker(settings, pipeline, STAGE, backend=thinker),
+        ):
+            await coordinator.open("spoken")
+            audio = np.concatenate(
+                [silence(0.3), speak("good morning how are you today"), silence(1.0)]
+            )
+            for payload in chunks(audio, ms=40):
+                await coordinator.append("spoken", "append_audio_chunk", payload)
+            got = await read_until(coordinator, has_done, timeout=120)
+        request_id = outputs(got, OutputKind.DONE)[0].meta["request_id"]
+        prompt = thinker.records[request_id].prompt
+        user = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.S)
+        assert len(user) == 1
+        assert re.findall(r"[a-z]+", user[0].lower()) == [
+            "good", "morning", "how", "are", "you", "today"
+        ]  # fmt: skip
+    finally:
         await coordinator.aclose()
