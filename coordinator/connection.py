@@ -97,9 +97,16 @@ def token_hash(token: str) -> str:
 
 
 def terminal_stages(pipeline: PipelineConfig) -> tuple[str, ...]:
-    """Client-facing stages no other client-facing stage reads from (chain ends)."""
-    feeding = {stage.input for stage in pipeline.stages if stage.to_client}
-    return tuple(s.name for s in pipeline.stages if s.to_client and s.name not in feeding)
+    """Client-facing stages with no client-facing stage downstream (chain ends): their
+    ``done`` ends a response."""
+
+    def feeds_client(name: str) -> bool:
+        return any(
+            pipeline.stage(down).to_client or feeds_client(down)
+            for down in pipeline.downstream(name)
+        )
+
+    return tuple(s.name for s in pipeline.stages if s.to_client and not feeds_client(s.name))
 
 
 class Hub:

@@ -334,3 +334,60 @@ async def test_detached_session_is_closed_after_the_grace_period(settings):
             assert event["error"]["code"] == "resume_failed"
         finally:
             await bus.aclose()
+
+
+async def test_an_audio_turn_with_server_vad(settings):
+    """Real speech over the WebSocket: server VAD ends the turn, ASR hears it, TTS answers."""
+    import numpy as np
+
+    from schemas.config import PipelineConfig, StageConfig
+    from tests.speech import silence, speak
+    from workers.backends.asr import AsrBackend
+    from workers.backends.audio import encode_pcm
+    from workers.backends.echo import EchoBackend
+    from workers.backends.tts import TtsBackend
+    from workers.backends.vad import VadBackend
+
+    pipeline = PipelineConfig(
+        name="voice",
+        stages=(
+            StageConfig(name="vad", backend="vad"),
+            StageConfig(name="asr", backend="asr", input="vad", to_client=True),
+            StageConfig(name="thinker", backend="echo", input="asr"),
+            StageConfig(name="tts", backend="tts", input="thinker", to_client=True),
+        ),
+    )
+    rate = 24_000
+    audio = np.concatenate(
+        [silence(0.3, rate), speak("good morning how are you today", rate), silence(1.2, rate)]
+    )
+    step = rate * 40 // 1000
+    chunks = [encode_pcm(audio[i : i + step], "pcm_s16le") for i in range(0, len(audio), step)]
+    async with (
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "vad", backend=VadBackend({})),
+        running_worker(settings, pipeline, "asr", backend=AsrBackend({})),
+        running_worker(settings, pipeline, "thinker", backend=EchoBackend()),
+        running_worker(settings, pipeline, "tts", backend=TtsBackend({"speak": ["transcript"]})),
+        Client.connect(base) as client,
+    ):
+        await client.recv()
+        for chunk in chunks:
+            await client.send(
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
+            )
+        events = await until_completed(client, within_s=90)
+    types = [e["type"] for e in events]
+    assert types.count("input_audio_buffer.speech_started") == 1
+    assert types.index("input_audio_buffer.speech_started") < types.index(
+        "input_audio_buffer.speech_stopped"
+    )
+    assert types.count("input_audio_buffer.committed") == 1
+    heard = [
+        e["transcript"]
+        for e in events
+        if e["type"] == "conversation.item.input_audio_transcription.completed"
+    ]
+    assert len(heard) == 1 and "morning" in heard[0].lower()
+    audio_out = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert sum(len(base64.b64decode(e["delta"])) for e in audio_out) > 24_000  # > 0.5 s

@@ -305,7 +305,7 @@ class AsrBackend:
     def _turn_end(self, session: AsrSession) -> list[OutputDraft]:
         heard, session.heard = session.heard, False
         if heard or not self.options.skip_silent_turns:
-            return [OutputDraft(OutputKind.DONE)]
+            return [OutputDraft(OutputKind.DONE, meta={"turn_end": True})]
         return []
 
     @staticmethod

@@ -347,7 +347,9 @@ class VadBackend:
         if isinstance(payload, CommitPayload):
             drafts = self._end(session, "commit") if session.detector.speaking else []
             if not drafts:
-                drafts.append(OutputDraft(OutputKind.DONE, meta={"reason": "commit"}))
+                drafts.append(
+                    OutputDraft(OutputKind.DONE, meta={"reason": "commit", "turn_end": True})
+                )
             return drafts, False
         if isinstance(payload, ClearPayload):
             return self._clear(session), False
@@ -442,7 +444,9 @@ class VadBackend:
                     },
                 )
             )
-        drafts.append(OutputDraft(OutputKind.DONE, meta={**meta, "reason": reason}))
+        drafts.append(
+            OutputDraft(OutputKind.DONE, meta={**meta, "reason": reason, "turn_end": True})
+        )
         return drafts
 
 
