@@ -36,9 +36,9 @@ class Settings(_Model):
     """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users."""
     key_prefix: str = Field("dq", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     """Prefix of every key; lets several deployments (or tests) share one Redis."""
-    lease_ttl_ms: int = Field(2000, ge=200, le=120_000)
+    lease_ttl_ms: int = Field(3000, ge=200, le=120_000)
     """How long a worker's ownership of (session, stage) lasts without a heartbeat."""
-    heartbeat_ms: int = Field(500, ge=50, le=60_000)
+    heartbeat_ms: int = Field(750, ge=50, le=60_000)
     """How often a worker renews its leases; keep it at most a third of the TTL."""
     block_ms: int = Field(500, ge=10, le=30_000)
     """Longest a blocking stream read waits before the loop looks around again."""
