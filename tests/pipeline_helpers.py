@@ -40,11 +40,25 @@ async def running_worker(
         await asyncio.wait_for(task, 20)
 
 
-async def collect(coordinator: Coordinator, count: int, *, timeout: float = 20.0) -> list[Delivery]:
-    """Read deliveries until ``count`` outputs (controls not counted) or timeout."""
+async def collect(
+    coordinator: Coordinator,
+    count: int,
+    *,
+    timeout: float = 20.0,
+    until_text: str | None = None,
+) -> list[Delivery]:
+    """Read deliveries until ``count`` outputs (controls not counted), or with
+    ``until_text`` until the delivered text ends with it; fails on timeout."""
     got: list[Delivery] = []
+
+    def done() -> bool:
+        outputs = [d.event for d in got if isinstance(d.event, OutputEvent)]
+        if until_text is not None:
+            return "".join(o.text for o in outputs).endswith(until_text)
+        return len(outputs) >= count
+
     async with asyncio.timeout(timeout):
-        while sum(isinstance(d.event, OutputEvent) for d in got) < count:
+        while not done():
             got.extend(await coordinator.outputs(block_ms=100))
     return got
 

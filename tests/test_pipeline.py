@@ -198,3 +198,25 @@ async def test_a_failing_backend_call_is_an_error_output_and_the_session_goes_on
         assert got[1].meta["code"] == "backend_error"
     finally:
         await coordinator.aclose()
+
+
+async def test_a_live_worker_that_lost_its_lease_gets_the_session_back(settings):
+    """A stalled worker's lease expired: it stops serving, takes the session over again
+    (incarnation + 1) and answers what came meanwhile."""
+    stage = echo_pipeline("echo").stages[0]
+    stage = stage.model_copy(update={"options": {"chunks": 20, "step_ms": 50}})
+    pipeline = echo_pipeline("echo").model_copy(update={"stages": (stage,)})
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, "echo"):
+            await coordinator.open("s1")
+            await coordinator.append("s1", "append_text", TextPayload("x" * 40))
+            await collect(coordinator, 1)
+            # The lease vanishes mid-response, as if the worker had stalled past its TTL.
+            await coordinator.bus.client.delete(coordinator.bus.keys.session("s1").lease("echo"))
+            await coordinator.append("s1", "append_text", TextPayload("answered"))
+            got = outputs_of(await collect(coordinator, 200, timeout=20, until_text="answered"))
+        late = [o for o in got if o.fence.incarnation == 1]
+        assert "".join(o.text for o in late).endswith("answered")
+    finally:
+        await coordinator.aclose()

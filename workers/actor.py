@@ -344,9 +344,9 @@ class SessionActor:
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
             await self._count_drop("zombie", len(events))
-            self.state = ActorState.LOST
+            self.end(ActorState.LOST)
         elif result.status is PublishStatus.CLOSED:
-            self.state = ActorState.CLOSED
+            self.end(ActorState.CLOSED)
 
     def _restamp(self, fence: Fence, current: Fence | None) -> Fence | None:
         """The fence to publish refused outputs under instead of dropping them, if any.
@@ -419,12 +419,17 @@ class SessionActor:
         if self._producer is not None and not self._producer.done():
             self._producer.cancel()
 
-    def stop(self) -> None:
-        """Stop at once for a hand-back: the event being handled stays unapplied."""
+    def end(self, state: ActorState) -> None:
+        """Stop serving (lease lost, session closed, hand-back): the backend work in
+        progress is cancelled at once and the actor's loop woken to retire it."""
         if self.state is ActorState.RUNNING:
-            self.state = ActorState.STOPPED
+            self.state = state
         self._cancel_producer()
         self.queue.put_nowait([])
+
+    def stop(self) -> None:
+        """Stop at once for a hand-back: the event being handled stays unapplied."""
+        self.end(ActorState.STOPPED)
 
     async def shutdown(self) -> None:
         """Stop producing and drop backend state; called once as the actor retires."""

@@ -314,8 +314,7 @@ class Worker:
                         actor.session_id, actor.ctx.fence, stage=self.stage, worker=self.worker_id
                     ),
                 )  # fmt: skip
-                actor.state = ActorState.LOST
-                actor.queue.put_nowait([])  # wake its loop so it retires
+                actor.end(ActorState.LOST)
 
     async def _control_round(self) -> None:
         streams = {self._wake_stream: "$"}
