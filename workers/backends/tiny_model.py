@@ -17,14 +17,21 @@ printable ASCII, are zeroed: greedy decoding then never ends a response early,
 never produces a token that detokenizes to nothing, and its text round-trips
 through the tokenizer.
 
+``extra_special_tokens`` adds special tokens after training (so the BPE
+vocabulary and every existing id stay as they are), e.g. MiniCPM-o's
+``<|listen|>``, ``<|speak|>`` and ``<unk>`` placeholder. Like the built-in
+special tokens, their output rows are zeroed: greedy decoding never picks
+one unless the request forces it (``allowed_token_ids``, a logit bias).
+
 Building takes about a second; a directory already built (marked by
-``READY``) is reused.
+``READY``) with the same extra tokens is reused.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +64,30 @@ MAX_POSITIONS = 1024
 READY = "READY"
 
 
-def build_tiny_model(path: str | Path) -> Path:
-    """Write the tiny tokenizer and model into ``path`` (reused when already built)."""
+def build_tiny_model(path: str | Path, *, extra_special_tokens: Sequence[str] = ()) -> Path:
+    """Write the tiny tokenizer and model into ``path`` (reused when already built).
+
+    ``extra_special_tokens`` are added to the tokenizer as special tokens
+    (see the module docstring); without them the model is the same as ever.
+    """
     path = Path(path)
-    if (path / READY).exists():
+    extras = tuple(extra_special_tokens)
+    overlap = set(extras) & set(SPECIAL_TOKENS)
+    if overlap or len(set(extras)) != len(extras):
+        raise ValueError(f"extra special tokens must be new and distinct, got {extras}")
+    marker = "ok\n" if not extras else f"ok {json.dumps(list(extras))}\n"
+    ready = path / READY
+    if ready.exists() and ready.read_text() == marker:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
+    tokenizer = _build_tokenizer(extras)
     tokenizer.save_pretrained(path)
-    _build_model(path, tokenizer)
-    (path / READY).write_text("ok\n")
+    _build_model(path, tokenizer, extras)
+    ready.write_text(marker)
     return path
 
 
-def _build_tokenizer() -> Any:
+def _build_tokenizer(extras: tuple[str, ...] = ()) -> Any:
     # Imported by name: neither library is typed, and only builders use them.
     tk: Any = importlib.import_module("tokenizers")
     tf: Any = importlib.import_module("transformers")
@@ -94,14 +111,15 @@ def _build_tokenizer() -> Any:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        additional_special_tokens=["<|im_start|>"],
+        # Extras come after the trained vocabulary: existing ids do not move.
+        additional_special_tokens=["<|im_start|>", *extras],
         model_max_length=MAX_POSITIONS,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def _build_model(path: Path, tokenizer: Any) -> None:
+def _build_model(path: Path, tokenizer: Any, extras: tuple[str, ...] = ()) -> None:
     torch: Any = importlib.import_module("torch")
     tf: Any = importlib.import_module("transformers")
     GenerationConfig, Qwen2Config, Qwen2ForCausalLM = (
@@ -112,6 +130,7 @@ def _build_model(path: Path, tokenizer: Any) -> None:
 
     vocab = -(-len(tokenizer) // 64) * 64
     special = [tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS]
+    silent = set(special) | {tokenizer.convert_tokens_to_ids(token) for token in extras}
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=HIDDEN,
@@ -135,7 +154,7 @@ def _build_model(path: Path, tokenizer: Any) -> None:
         head[len(tokenizer) :] = 0.0
         for token_id in range(len(tokenizer)):
             text = tokenizer.decode([token_id])
-            if token_id in special or not (text.isascii() and text.isprintable()):
+            if token_id in silent or not (text.isascii() and text.isprintable()):
                 head[token_id] = 0.0
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(eos_token_id=special[2], pad_token_id=special[0]).save_pretrained(path)
