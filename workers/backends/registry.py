@@ -19,6 +19,14 @@ def create_backend(stage: StageConfig) -> StageBackend:
         from workers.backends.vllm_backend import VllmBackend
 
         return VllmBackend(stage.options, stage=stage.name)
+    if stage.backend == "minicpmo":
+        from workers.backends.minicpmo_stage import MiniCPMOStage
+
+        return MiniCPMOStage(stage.options, stage=stage.name)
+    if stage.backend == "mage_vl":
+        from workers.backends.mage_vl_stage import MageVLStage
+
+        return MageVLStage(stage.options, stage=stage.name)
     if stage.backend == "vad":
         from workers.backends.vad import VadBackend
 
