@@ -1,0 +1,56 @@
+"""3. Throughput: events/s through coordinator + echo workers, driven to saturation.
+
+The client side sends 40 ms chunks over ``plan.throughput_sessions`` sessions
+as fast as their echoes come back, with at most ``plan.throughput_window``
+events in flight (sent, not yet delivered), for 1, 2 and 4 echo worker
+processes. The figure is events delivered per second once warm.
+
+The references are the raw Python stream limits measured in the same run
+(``bench.raw``): ``unbatched`` (one command per message on every side, as
+the coordinator's appends are) and ``batched`` (64-message pipelines, as a
+stage catching up reads). CPU use per process is recorded with each point so
+that the report can say which process saturated first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.common import PrivateRedis, ratio
+from bench.load import saturate
+from bench.rig import echo_rig
+
+
+async def run(
+    server: PrivateRedis, plan: Any, raw: dict[str, Any], log_dir: Path
+) -> dict[str, Any]:
+    unbatched = raw["unbatched"]["events_per_s"]
+    batched = raw["batched"]["events_per_s"]
+    points = []
+    for workers in plan.throughput_workers:
+        async with echo_rig(server, log_dir, name=f"tp{workers}", workers=workers,
+                            sessions=plan.throughput_sessions) as rig:  # fmt: skip
+            meter = rig.cpu_meter().start()
+            point = await saturate(
+                rig.coordinator, rig.collector, rig.session_ids, seconds=plan.throughput_seconds,
+                warmup=plan.warmup_seconds, window=plan.throughput_window,
+            )  # fmt: skip
+            point["cpu_percent"] = meter.read()
+            point["cpu_us_per_event"] = meter.per_event_us(point["sent"])
+        point.update({
+            "workers": workers,
+            "sessions": plan.throughput_sessions,
+            "window": plan.throughput_window,
+            "ratio_to_raw_unbatched": ratio(point["events_per_s"], unbatched),
+            "ratio_to_raw_batched": ratio(point["events_per_s"], batched),
+        })  # fmt: skip
+        points.append(point)
+        print(f"  throughput {workers} worker(s): {point['events_per_s']:.0f} ev/s "
+              f"({point['ratio_to_raw_unbatched']:.2f} x raw unbatched, "
+              f"{point['ratio_to_raw_batched']:.2f} x raw batched)", flush=True)  # fmt: skip
+    return {
+        "reference_unbatched_eps": unbatched,
+        "reference_batched_eps": batched,
+        "points": points,
+    }
