@@ -104,7 +104,11 @@ class StageOwnership:
         return status, lease
 
     async def renew(self, leases: Sequence[Lease], now_ms: int) -> list[bool]:
-        """Renew many leases in one round trip; False where the lease was lost."""
+        """Renew many leases in one round trip; False where the lease was lost.
+
+        Only renewed leases get a new expiry in the lease index: a lost one keeps
+        its old (past) score, so the orphan scans see it at once.
+        """
         if not leases:
             return []
         async with self.bus.client.pipeline(transaction=False) as pipe:
@@ -113,10 +117,15 @@ class StageOwnership:
                 await self.bus.renew_script(
                     keys=[key], args=[lease.token, self.ttl_ms], client=pipe
                 )
-            expiry = {lease.session_id: now_ms + self.ttl_ms for lease in leases}
-            pipe.zadd(self.bus.keys.lease_index(self.stage), expiry)
-            replies = await pipe.execute()
-        return [bool(r) for r in replies[: len(leases)]]
+            renewed = [bool(r) for r in await pipe.execute()]
+        expiry = {
+            lease.session_id: now_ms + self.ttl_ms
+            for lease, ok in zip(leases, renewed, strict=True)
+            if ok
+        }
+        if expiry:
+            await self.bus.client.zadd(self.bus.keys.lease_index(self.stage), expiry)
+        return renewed
 
     async def release(self, lease: Lease, *, hand_back: bool) -> None:
         """Give the lease up; with ``hand_back`` the session is queued for another worker."""
