@@ -63,7 +63,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -93,6 +93,7 @@ from workers.backends.mage_vl_core import (
     to_draft,
     verdict,
 )
+from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import SamplingSpec, VllmEngine
 from workers.backends.vllm_history import released_by
 
@@ -180,7 +181,7 @@ class MageVLStage:
         )
         self._sessions: dict[str, MageSession] = {}
         self._numbers = itertools.count(1)
-        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.records: RequestLog[RequestRecord] = RequestLog(RECORDS_KEPT)
         self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
         """Fences released lately (newest last)."""
 
@@ -234,7 +235,7 @@ class MageVLStage:
             for rid in session.live | self.engine.live_request_ids()
             if belongs_to_session(rid, session.session_id)
         ]
-        self._note(doomed, "cancelled")
+        self.records.note(doomed, "cancelled")
         await self.engine.abort(doomed)
 
     async def _current(self, ctx: StageContext) -> MageSession:
@@ -312,7 +313,7 @@ class MageVLStage:
 
     async def _release(self, session: MageSession, fence: Fence) -> None:
         doomed = [rid for rid in session.live if released_by(rid, fence)]
-        self._note(doomed, "released")
+        self.records.note(doomed, "released")
         if fence.epoch >= session.epoch:
             # Otherwise the runtime already serves a later epoch than the released
             # one (an input of that epoch got here first): only stragglers go.
@@ -324,7 +325,7 @@ class MageVLStage:
             for rid in self.engine.live_request_ids()
             if rid not in doomed and released_by(rid, fence)
         ]
-        self._note(doomed, "released")
+        self.records.note(doomed, "released")
         await self.engine.abort(doomed)
         if doomed:
             log.debug("session %s: %s released, aborted %s", session.session_id, fence, doomed)
@@ -403,7 +404,9 @@ class MageVLStage:
         prompt, prompt_ids, kept = self._engine_prompt(builder, windows, max_tokens)
         role = f"{self.stage}-{purpose}-{next(self._numbers)}"
         request_id = make_request_id(session.ctx.fence, role)
-        record = self._record(RequestRecord(request_id, session.session_id, purpose, prompt, kept))
+        record = self.records.add(
+            RequestRecord(request_id, session.session_id, purpose, prompt, kept)
+        )
         if purpose != "gate":
             session.speaking = Speaking(request_id, "query" if purpose == "answer" else "gate")
         spec = SamplingSpec(
@@ -432,15 +435,3 @@ class MageVLStage:
                 record.outcome = "cancelled" if finish is None else f"finished:{finish}"
 
     # -- bookkeeping -----------------------------------------------------------------------
-
-    def _record(self, record: RequestRecord) -> RequestRecord:
-        self.records[record.request_id] = record
-        while len(self.records) > RECORDS_KEPT:
-            self.records.popitem(last=False)
-        return record
-
-    def _note(self, request_ids: Sequence[str], outcome: str) -> None:
-        for request_id in request_ids:
-            record = self.records.get(request_id)
-            if record is not None and record.outcome == "running":
-                record.outcome = outcome

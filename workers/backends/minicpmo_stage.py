@@ -78,6 +78,7 @@ from workers.backends.minicpmo_session import (
     classify,
     rebuild,
 )
+from workers.backends.request_log import RequestLog
 from workers.backends.vllm_history import released_by
 from workers.extensions.base import AppendPlan, CheckedExtension, load_extension
 from workers.extensions.minicpmo import LISTEN_TOKEN, MiniCPMOTokenIds
@@ -166,7 +167,7 @@ class MiniCPMOStage:
         self._owns_engine = engine is None
         self._duplex: Duplex | None = None
         self._numbers = itertools.count(1)
-        self.records: OrderedDict[str, UnitRecord] = OrderedDict()
+        self.records: RequestLog[UnitRecord] = RequestLog(RECORDS_KEPT)
         self.last_prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         """The prompt of each session's latest request (for logs and tests)."""
         self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
@@ -188,7 +189,7 @@ class MiniCPMOStage:
         if isinstance(session, DuplexSession) and session.live:
             doomed = list(session.live)
             session.live.clear()
-            self._note(doomed, "cancelled")
+            self.records.note(doomed, "cancelled")
             await self.engine.abort(doomed)
 
     async def aclose(self) -> None:
@@ -241,7 +242,7 @@ class MiniCPMOStage:
             for rid in self.engine.live_request_ids()
             if rid not in doomed and released_by(rid, fence)
         ]
-        self._note(doomed, "released")
+        self.records.note(doomed, "released")
         await self.engine.abort(doomed)
         if doomed:
             log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
@@ -341,7 +342,7 @@ class MiniCPMOStage:
         prompt = tuple(session.prompt.tokens())
         request_id = make_request_id(ctx.fence, f"{ctx.stage}-u{seq}-r{next(self._numbers)}")
         turn = session.live[request_id] = UnitTurn(request_id, seq)
-        record = self._record(UnitRecord(request_id, ctx.session_id, prompt))
+        record = self.records.add(UnitRecord(request_id, ctx.session_id, prompt))
         self._remember(ctx.session_id, prompt)
         finish: str | None = None
         try:
@@ -374,20 +375,8 @@ class MiniCPMOStage:
 
     # -- bookkeeping -----------------------------------------------------------------------
 
-    def _record(self, record: UnitRecord) -> UnitRecord:
-        self.records[record.request_id] = record
-        while len(self.records) > RECORDS_KEPT:
-            self.records.popitem(last=False)
-        return record
-
     def _remember(self, session_id: str, prompt: tuple[int, ...]) -> None:
         self.last_prompts[session_id] = prompt
         self.last_prompts.move_to_end(session_id)
         while len(self.last_prompts) > RECORDS_KEPT:
             self.last_prompts.popitem(last=False)
-
-    def _note(self, request_ids: Sequence[str], outcome: str) -> None:
-        for request_id in request_ids:
-            record = self.records.get(request_id)
-            if record is not None and record.outcome == "running":
-                record.outcome = outcome

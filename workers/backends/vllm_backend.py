@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ from coordinator.request_ids import make_request_id
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
 from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import SamplingSpec, VllmEngine
 from workers.backends.vllm_history import (
     ChatHistory,
@@ -126,7 +127,7 @@ class VllmBackend:
         self.engine = engine or VllmEngine(self.options)
         self._owns_engine = engine is None
         self._numbers = itertools.count(1)
-        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.records: RequestLog[RequestRecord] = RequestLog(RECORDS_KEPT)
         self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
         """Fences released lately (newest last)."""
 
@@ -147,7 +148,7 @@ class VllmBackend:
         if isinstance(chat, SessionChat) and chat.live:
             doomed = list(chat.live)
             chat.live.clear()
-            self._note(doomed, "cancelled")
+            self.records.note(doomed, "cancelled")
             await self.engine.abort(doomed)
 
     async def aclose(self) -> None:
@@ -197,7 +198,7 @@ class VllmBackend:
             for rid in self.engine.live_request_ids()
             if rid not in doomed and released_by(rid, fence)
         ]
-        self._note(doomed, "released")
+        self.records.note(doomed, "released")
         await self.engine.abort(doomed)
         if doomed:
             log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
@@ -219,7 +220,7 @@ class VllmBackend:
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
         response = chat.live[request_id] = Response(request_id, seq, carried)
-        record = self._record(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
+        record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
         spec = SamplingSpec(
             max_tokens, self.options.temperature, self.options.top_p, self.options.seed
         )
@@ -269,15 +270,3 @@ class VllmBackend:
         return self.engine.encode(text) + list(carried.token_ids)
 
     # -- bookkeeping -----------------------------------------------------------------------
-
-    def _record(self, record: RequestRecord) -> RequestRecord:
-        self.records[record.request_id] = record
-        while len(self.records) > RECORDS_KEPT:
-            self.records.popitem(last=False)
-        return record
-
-    def _note(self, request_ids: Sequence[str], outcome: str) -> None:
-        for request_id in request_ids:
-            record = self.records.get(request_id)
-            if record is not None and record.outcome == "running":
-                record.outcome = outcome
