@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from coordinator.output_reader import Delivery
 from coordinator.service import Coordinator
 from schemas.config import PipelineConfig, Settings
-from schemas.events import OutputEvent
+from schemas.events import OutputEvent, OutputKind
 from workers.runtime import Worker
 
 
@@ -63,5 +63,29 @@ async def collect(
     return got
 
 
-def outputs_of(deliveries: list[Delivery]) -> list[OutputEvent]:
-    return [d.event for d in deliveries if isinstance(d.event, OutputEvent)]
+def outputs_of(
+    deliveries: list[Delivery], kind: OutputKind | None = None, session: str | None = None
+) -> list[OutputEvent]:
+    """The outputs among ``deliveries``, optionally of one kind and one session."""
+    return [
+        d.event
+        for d in deliveries
+        if isinstance(d.event, OutputEvent)
+        and (kind is None or d.event.kind is kind)
+        and (session is None or d.event.fence.session_id == session)
+    ]
+
+
+async def read_until(
+    coordinator: Coordinator, done: Callable[[list[Delivery]], bool], *, timeout: float = 30.0
+) -> list[Delivery]:
+    """Deliveries until ``done(deliveries)`` holds; on timeout, fail showing what came."""
+    got: list[Delivery] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while not done(got):
+                got.extend(await coordinator.outputs(block_ms=100))
+    except TimeoutError:
+        seen = [(o.kind.value, o.text, o.token_ids) for o in outputs_of(got)]
+        raise AssertionError(f"timed out; outputs so far: {seen}") from None
+    return got

@@ -37,7 +37,8 @@ from schemas.events import (
     VideoPayload,
 )
 from schemas.fence import Fence
-from tests.pipeline_helpers import fast_settings, running_worker
+from tests.pipeline_helpers import fast_settings, read_until, running_worker
+from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
 from workers.adapters.base import OutputChunk
 from workers.adapters.mage_vl_types import GateDecision
@@ -379,25 +380,8 @@ def video_pipeline() -> PipelineConfig:
     return PipelineConfig(name="video", stages=(stage,))
 
 
-def outputs(deliveries, kind=None, session=None):
-    found = [d.event for d in deliveries if isinstance(d.event, OutputEvent)]
-    return [
-        o
-        for o in found
-        if (kind is None or o.kind is kind) and (session is None or o.fence.session_id == session)
-    ]
-
-
 def dones(count, session=None):
     return lambda got: len(outputs(got, OutputKind.DONE, session)) >= count
-
-
-async def read_until(coordinator, done, *, timeout=30.0):
-    got = []
-    async with asyncio.timeout(timeout):
-        while not done(got):
-            got.extend(await coordinator.outputs(block_ms=100))
-    return got
 
 
 async def eventually(check, timeout=20.0):

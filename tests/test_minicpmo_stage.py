@@ -37,7 +37,8 @@ from schemas.events import (
     UnitPayload,
 )
 from schemas.fence import Fence
-from tests.pipeline_helpers import fast_settings, running_worker
+from tests.pipeline_helpers import fast_settings, read_until, running_worker
+from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
 from workers.backends.minicpmo_options import parse_minicpmo_options
 from workers.backends.minicpmo_session import (
@@ -301,24 +302,6 @@ def backend_for(engine, **options):
 def duplex_pipeline() -> PipelineConfig:
     stage = StageConfig(name=STAGE, backend="minicpmo", to_client=True, options={"model": "x"})
     return PipelineConfig(name="duplex", stages=(stage,))
-
-
-async def read_until(coordinator, done, *, timeout=30.0):
-    """Deliveries until ``done(deliveries)`` holds."""
-    got = []
-    try:
-        async with asyncio.timeout(timeout):
-            while not done(got):
-                got.extend(await coordinator.outputs(block_ms=100))
-    except TimeoutError:
-        seen = [(o.kind.value, o.text, o.token_ids) for o in outputs(got)]
-        raise AssertionError(f"timed out; outputs so far: {seen}") from None
-    return got
-
-
-def outputs(deliveries, kind=None):
-    found = [d.event for d in deliveries if isinstance(d.event, OutputEvent)]
-    return [o for o in found if kind is None or o.kind is kind]
 
 
 def count(kind, n=1):

@@ -34,7 +34,8 @@ from schemas.events import (
     decode_output,
 )
 from schemas.fence import Fence
-from tests.pipeline_helpers import fast_settings, running_worker
+from tests.pipeline_helpers import fast_settings, read_until, running_worker
+from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
 from workers.backends.vllm_history import (
     ChatHistory,
@@ -233,20 +234,6 @@ def backend_for(engine, **options):
 def chat_pipeline() -> PipelineConfig:
     stage = StageConfig(name=STAGE, backend="vllm", to_client=True, options={"model": "x"})
     return PipelineConfig(name="chat", stages=(stage,))
-
-
-async def read_until(coordinator, done, *, timeout=30.0):
-    """Deliveries until ``done(deliveries)`` holds."""
-    got = []
-    async with asyncio.timeout(timeout):
-        while not done(got):
-            got.extend(await coordinator.outputs(block_ms=100))
-    return got
-
-
-def outputs(deliveries, kind=None):
-    found = [d.event for d in deliveries if isinstance(d.event, OutputEvent)]
-    return [o for o in found if kind is None or o.kind is kind]
 
 
 def has_done(deliveries, **fence):
