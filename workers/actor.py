@@ -236,13 +236,14 @@ class SessionActor:
         drafts: asyncio.Queue[OutputDraft | None] = asyncio.Queue()
 
         async def produce() -> None:
-            try:
-                async for draft in self.backend.handle(self.ctx, event):
-                    drafts.put_nowait(draft)
-            finally:
-                drafts.put_nowait(None)
+            async for draft in self.backend.handle(self.ctx, event):
+                drafts.put_nowait(draft)
 
+        # The end of the hand-off is signalled by the task's completion, not by a
+        # ``finally`` inside it: a task cancelled before its first step never runs
+        # its body, and the relay would then wait for ever.
         self._producer = asyncio.create_task(produce(), name=f"produce {self.session_id}")
+        self._producer.add_done_callback(lambda _: drafts.put_nowait(None))
         self._producer_fence = fence
         try:
             await self._relay(drafts, fence, event)
