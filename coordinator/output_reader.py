@@ -42,7 +42,9 @@ class JournalFollower:
 
     def __init__(self, session_id: str, fence: Fence, cursor: str = "0-0") -> None:
         self.session_id = session_id
-        self.view = FenceView(fence)
+        # The journal may be read from the middle (a reconnect, another coordinator):
+        # the incarnation live at the cursor is learnt from the journal itself.
+        self.view = FenceView.resuming(fence)
         self.cursor = cursor
         self.last_seq: dict[str, int] = {}
         """Highest output seq delivered per stage, to drop duplicates."""

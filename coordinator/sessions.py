@@ -309,6 +309,15 @@ class FenceView:
     barrier in the stream onwards. Outputs the old owner published before the
     barrier were accepted (the user may already be hearing them), so they are
     delivered; anything of the old incarnation after the barrier is a zombie's.
+    An output of a *higher* incarnation than the view's is a newer owner's and
+    moves the view forward: the publish script writes a failover's barrier in
+    the same atomic step that raises the incarnation, so in stream order such
+    an output always follows its barrier.
+
+    A consumer that starts reading in the middle of a stream (a stage's new
+    owner after a failover, a client resuming) does not know which incarnation
+    was live at its read position; ``resuming`` gives it a view that learns the
+    incarnation from the stream and only knows the session's current epoch.
 
     - ``observe(fence)``: an in-band barrier (cancel, failover, open) read from
       the stream; the view moves to it.
@@ -324,6 +333,13 @@ class FenceView:
     def __init__(self, current: Fence) -> None:
         self.current = current
         self._epoch_floor = current.epoch
+
+    @classmethod
+    def resuming(cls, current: Fence, incarnation: int = 0) -> FenceView:
+        """A view for reading a stream from a position whose fence is unknown: the
+        epoch floor is ``current``'s, the incarnation starts at ``incarnation``
+        (the lowest the stream can hold) and turn and response at zero."""
+        return cls(Fence(current.session_id, incarnation, current.epoch))
 
     def observe(self, fence: Fence) -> None:
         if fence.session_id != self.current.session_id:
@@ -346,7 +362,10 @@ class FenceView:
             self.current = fence
 
     def judge(self, fence: Fence) -> MismatchReason | None:
-        reason = fence_mismatch(self.current, fence)
+        current = self.current
+        if fence.incarnation > current.incarnation and fence.session_id == current.session_id:
+            current = current.replace(incarnation=fence.incarnation)
+        reason = fence_mismatch(current, fence)
         if reason is None and fence.epoch < self._epoch_floor:
             reason = MismatchReason.EPOCH
         if reason is None:

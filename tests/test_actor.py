@@ -71,9 +71,7 @@ def cancel_of(actor: SessionActor) -> ControlEvent:
     )
 
 
-async def test_a_cancel_before_the_producer_ran_does_not_wedge_the_actor(
-    redis_server, key_prefix
-):
+async def test_a_cancel_before_the_producer_ran_does_not_wedge_the_actor(redis_server, key_prefix):
     async with owned_actor(redis_server, key_prefix) as actor:
         handling = asyncio.create_task(actor._handle(text_input(actor, 1, "hello")))
         # One yield: ``handling`` creates the producer task and waits on its drafts;
@@ -91,9 +89,7 @@ async def test_a_cancel_before_the_producer_ran_does_not_wedge_the_actor(
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2])
-async def test_a_cancel_at_any_step_of_the_producer_ends_the_relay(
-    redis_server, key_prefix, steps
-):
+async def test_a_cancel_at_any_step_of_the_producer_ends_the_relay(redis_server, key_prefix, steps):
     async with owned_actor(redis_server, key_prefix) as actor:
         handling = asyncio.create_task(actor._handle(text_input(actor, 1, "hello")))
         for _ in range(steps + 1):

@@ -84,3 +84,22 @@ def _output(seq, fence=F):
 )
 def test_decide(event, applied, current, step):
     assert decide(event, applied, current, FenceView(current)) is step
+
+
+def test_a_higher_incarnation_is_a_newer_owner_and_moves_the_view():
+    view = FenceView(F)
+    heir = Fence("s", 2, 0, 0, 0)
+    assert view.judge(heir) is None
+    assert view.current == heir
+    assert view.judge(F) is MismatchReason.INCARNATION
+
+
+def test_a_resuming_view_knows_the_epoch_and_learns_the_incarnation():
+    view = FenceView.resuming(Fence("s", 3, 2, 5, 7))
+    # Published before the failovers that raised the incarnation to 3: delivered.
+    assert view.judge(Fence("s", 1, 2, 1, 1)) is None
+    # Older epochs stay stale; the incarnation only moves forward from here.
+    assert view.judge(Fence("s", 1, 1, 9, 9)) is MismatchReason.EPOCH
+    view.observe(Fence("s", 3, 2, 5, 7))
+    assert view.judge(Fence("s", 1, 2, 9, 9)) is MismatchReason.INCARNATION
+    assert view.judge(Fence("s", 3, 2, 5, 7)) is None

@@ -105,7 +105,9 @@ class SessionActor:
         self.ownership = ownership
         self.backend = backend
         self.ctx = ctx
-        self.view = FenceView(lease.fence)
+        # The upstream stream is read from ``read_id`` on, where the incarnation may
+        # still be an older one (outputs published before a failover's barrier).
+        self.view = FenceView.resuming(lease.fence)
         self.applied_seq = lease.applied_seq
         self.read_id = lease.read_id
         self.out_seq = lease.out_seq

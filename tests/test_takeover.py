@@ -1,0 +1,62 @@
+"""A stage's new owner continues exactly where its predecessor stopped.
+
+Each test hands a stage over at a chosen point (in-process workers on real
+Redis), so the takeover happens at the same place every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.service import Coordinator
+from schemas.config import echo_pipeline
+from schemas.events import TextPayload
+from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    return fast_settings(redis_server.url, key_prefix)
+
+
+async def wait_progress(coordinator: Coordinator, sid: str, stage: str, applied: int) -> None:
+    progress = coordinator.bus.keys.session(sid).progress
+    async with asyncio.timeout(20):
+        while int((await coordinator.bus.hmget(progress, [f"{stage}:applied"]))[0] or 0) < applied:
+            await asyncio.sleep(0.02)
+
+
+async def wait_owned(coordinator: Coordinator, sid: str, stage: str) -> None:
+    key = coordinator.bus.keys.session(sid).lease(stage)
+    async with asyncio.timeout(20):
+        while not await coordinator.bus.client.exists(key):
+            await asyncio.sleep(0.02)
+
+
+async def test_downstream_failover_consumes_what_upstream_published_before_it(settings):
+    """Cause: the new owner's view started at the new incarnation and dropped the
+    upstream outputs written before the failover barrier as ``incarnation``."""
+    pipeline = echo_pipeline("thinker", "talker")
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        await coordinator.open("s1")
+        # A first talker owns the session, then goes (its hand-back makes the next
+        # owner's acquire a failover: incarnation + 1, barrier in every stream).
+        async with running_worker(settings, pipeline, "talker"):
+            await wait_owned(coordinator, "s1", "talker")
+        # The thinker publishes while no talker runs: its outputs precede the barrier.
+        async with running_worker(settings, pipeline, "thinker"):
+            for i in range(3):
+                await coordinator.append("s1", "append_text", TextPayload(f"w{i}"))
+            await wait_progress(coordinator, "s1", "thinker", 3)
+        async with running_worker(settings, pipeline, "talker"):
+            got = outputs_of(await collect(coordinator, 3))
+        assert [(o.stage, o.text) for o in got] == [("talker", f"w{i}") for i in range(3)]
+        assert got[-1].fence.incarnation == 1
+        assert coordinator.reader.dropped.total() == 0
+    finally:
+        await coordinator.aclose()
