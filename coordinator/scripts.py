@@ -212,34 +212,58 @@ return 0
 """
 
 # KEYS: meta lease prog stage_out client_out
-# ARGV: stage token inc ep tu rs applied read_id oseq_last to_client e1 .. en
-# With no events the call only records progress (an input applied with no output,
-# or whose outputs went stale): the lease is checked, the fence is not.
+# ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups,
+#       then per group: inc ep tu rs n e1 .. en
+# Every group of outputs (one fence each) and the progress cursor are written in
+# this one step, or nothing is. A group whose fence regressed is refused as
+# {'stale', index, reason, current fence}; one ahead of the authority (which only
+# a rollback of Redis can cause) as {'ahead', index, '', current fence}; the caller
+# fixes or drops that group and calls again. A repeated call (a retry whose first
+# reply was lost) is recognised by its output seqs, already recorded, and changes
+# nothing. With no outputs the call only records progress: the lease is checked,
+# no fence is.
 PUBLISH = r"""
 if not holds(redis.call('GET', KEYS[2]), ARGV[2]) then return {'lost'} end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if m[1] ~= 'open' then return {'closed'} end
-local n = #ARGV - 10
-if n > 0 then
-  local why = mismatch(tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5]),
-    tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
-  if why then return {'stale', why, tonumber(m[2]), tonumber(m[3]), tonumber(m[4]),
-    tonumber(m[5])} end
+local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
+local stage = ARGV[1]
+local first_oseq = tonumber(ARGV[6])
+if first_oseq > 0 and first_oseq <= tonumber(redis.call('HGET', KEYS[3], stage .. ':oseq') or '0')
+then
+  return {'ok', 0}
+end
+local groups = {}
+local at = 9
+for g = 1, tonumber(ARGV[8]) do
+  local inc, ep, tu, rs = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
+    tonumber(ARGV[at + 3])
+  local n = tonumber(ARGV[at + 4])
+  if n > 0 then
+    local why = mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
+    if why then return {'stale', g, why, cinc, cep, ctu, crs} end
+    if ep > cep or (ep == cep and (tu > ctu or rs > crs)) then
+      return {'ahead', g, '', cinc, cep, ctu, crs}
+    end
+  end
+  groups[g] = {at + 5, at + 4 + n}
+  at = at + 5 + n
 end
 local last_sn = 0
-for i = 11, #ARGV do
-  redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
-  if ARGV[10] == '1' then
-    last_sn = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
-    redis.call('XADD', KEYS[5], '*', 'e', ARGV[i], 'n', last_sn)
+for _, span in ipairs(groups) do
+  for i = span[1], span[2] do
+    redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
+    if ARGV[5] == '1' then
+      last_sn = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
+      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i], 'n', last_sn)
+    end
   end
 end
-local stage = ARGV[1]
-local applied = tonumber(ARGV[7])
+local applied = tonumber(ARGV[3])
 if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') then
-  redis.call('HSET', KEYS[3], stage .. ':applied', applied, stage .. ':read', ARGV[8])
+  redis.call('HSET', KEYS[3], stage .. ':applied', applied, stage .. ':read', ARGV[4])
 end
-if tonumber(ARGV[9]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV[9]) end
+if tonumber(ARGV[7]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV[7]) end
 return {'ok', last_sn}
 """
 

@@ -8,67 +8,11 @@ the tasks already ready), so each reproduces its race every time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
-from schemas.config import echo_pipeline
-from schemas.events import (
-    ControlEvent,
-    ControlKind,
-    InputEvent,
-    InputMode,
-    OutputKind,
-    TextPayload,
-)
-from schemas.keys import Keys
-from workers.actor import SessionActor
-from workers.backends.base import StageContext
-from workers.backends.echo import EchoBackend
-from workers.ownership import StageOwnership
-
-STAGE = "echo"
-
-
-@contextlib.asynccontextmanager
-async def owned_actor(redis_server, key_prefix, sid: str = "s1") -> AsyncIterator[SessionActor]:
-    """An echo actor holding the lease of a freshly opened session."""
-    pipeline = echo_pipeline(STAGE)
-    bus = RedisBus(redis_server.url, Keys(key_prefix))
-    try:
-        await SessionAuthority(bus, pipeline).open(sid)
-        ownership = StageOwnership(bus, pipeline, STAGE, "w1", 5000)
-        _, lease = await ownership.acquire(sid, 0)
-        assert lease is not None
-        ctx = StageContext(sid, STAGE, lease.fence, {})
-        yield SessionActor(lease, ownership, EchoBackend({}), ctx)
-    finally:
-        await bus.aclose()
-
-
-def text_input(actor: SessionActor, seq: int, text: str) -> InputEvent:
-    return InputEvent(
-        fence=actor.ctx.fence,
-        seq=seq,
-        turn_seq=seq,
-        mode=InputMode.APPEND_TEXT,
-        payload=TextPayload(text),
-        ts_ms=0,
-    )
-
-
-def cancel_of(actor: SessionActor) -> ControlEvent:
-    fence = actor.ctx.fence
-    return ControlEvent(
-        kind=ControlKind.CANCEL,
-        fence=fence.replace(epoch=fence.epoch + 1),
-        cancelled=fence,
-        reason="barge_in",
-        ts_ms=0,
-    )
+from schemas.events import OutputKind
+from tests.actor_helpers import cancel_of, owned_actor, text_input
 
 
 async def test_a_cancel_before_the_producer_ran_does_not_wedge_the_actor(redis_server, key_prefix):

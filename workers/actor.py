@@ -55,9 +55,18 @@ from schemas.events import (
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
 from workers.failpoints import failpoint
-from workers.ownership import Lease, PublishStatus, StageOwnership
+from workers.ownership import (
+    Lease,
+    OutputGroup,
+    PublishResult,
+    PublishStatus,
+    StageOwnership,
+)
 
 log = logging.getLogger("duplexq.worker")
+
+PUBLISH_ATTEMPTS = 64
+"""Most refusals one publish repairs (restamp or drop a group) before giving up."""
 
 
 class Step(Enum):
@@ -298,58 +307,75 @@ class SessionActor:
         )
 
     async def _flush(self, *, progress: bool = True) -> None:
-        """Publish pending outputs (grouped by fence) and, with ``progress``, the cursor."""
-        groups: list[tuple[Fence, list[OutputEvent]]] = []
+        """Publish pending outputs (grouped by fence) and, with ``progress``, the cursor,
+        all in one atomic step."""
+        by_fence: list[tuple[Fence, list[OutputEvent]]] = []
         for event in self._pending:
-            if groups and groups[-1][0] == event.fence:
-                groups[-1][1].append(event)
+            if by_fence and by_fence[-1][0] == event.fence:
+                by_fence[-1][1].append(event)
             else:
-                groups.append((event.fence, [event]))
+                by_fence.append((event.fence, [event]))
         self._pending = []
+        groups: list[OutputGroup] = list(by_fence)
         applied = self.applied_seq if progress else self._published_seq
-        for fence, events in groups:
-            await self._publish(fence, events, applied)
-        if progress and self.active and applied > self._published_seq:
-            await self._publish(self.ctx.fence, [], applied)
+        if groups or (progress and applied > self._published_seq):
+            await self._publish(groups, applied)
 
-    async def _publish(self, fence: Fence, events: list[OutputEvent], applied: int) -> None:
-        if events:
-            failpoint("before_publish", events[0].source_seq, events[-1].source_seq)
-        result = await self.ownership.publish(
-            self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
-            out_seq=self.out_seq,
-        )  # fmt: skip
-        restamp = self._restamp(fence, result.current)
-        if restamp is not None:
-            fence = restamp
-            events = [msgspec.structs.replace(event, fence=fence) for event in events]
+    async def _publish(self, groups: list[OutputGroup], applied: int) -> None:
+        if groups:
+            failpoint("before_publish", groups[0][1][0].source_seq, groups[-1][1][-1].source_seq)
+        for _ in range(PUBLISH_ATTEMPTS):
+            last = groups[-1][1][-1].seq if groups else 0
             result = await self.ownership.publish(
-                self.lease, fence, events, applied_seq=applied, read_id=self.read_id,
-                out_seq=self.out_seq,
-            )  # fmt: skip
-        if result.status is PublishStatus.STALE:
-            # The outputs' fence was released meanwhile: they are dropped, the
-            # inputs still count as applied, and work still producing for that
-            # fence (a response superseded by a newer one) is stopped.
-            await self._count_drop(result.reason or "epoch", len(events))
-            if self._producer_fence == fence:
-                self._cancel_producer()
-                await self.backend.release(self.ctx, fence)
-            events = []
+                self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=last
+            )
+            if result.status not in (PublishStatus.STALE, PublishStatus.AHEAD):
+                break
+            groups = await self._repair(groups, result)
+        else:
+            # The authority kept moving under us; what is left is dropped, counted.
+            log.error("publish refused %d times; dropping", PUBLISH_ATTEMPTS, extra=self._extra())
+            await self._count_drop("contention", sum(len(events) for _, events in groups))
             result = await self.ownership.publish(
-                self.lease, self.ctx.fence, [], applied_seq=applied, read_id=self.read_id,
-                out_seq=self.out_seq,
-            )  # fmt: skip
+                self.lease, [], applied_seq=applied, read_id=self.read_id, out_seq=0
+            )
         if result.status is PublishStatus.OK:
             PUBLISHES.inc(stage=self.ctx.stage)
-            EVENTS_OUT.inc(len(events), stage=self.ctx.stage)
+            EVENTS_OUT.inc(sum(len(events) for _, events in groups), stage=self.ctx.stage)
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
-            await self._count_drop("zombie", len(events))
+            await self._count_drop("zombie", sum(len(events) for _, events in groups))
             self.end(ActorState.LOST)
         elif result.status is PublishStatus.CLOSED:
             self.end(ActorState.CLOSED)
+
+    async def _repair(self, groups: list[OutputGroup], result: PublishResult) -> list[OutputGroup]:
+        """The groups to publish after ``result`` refused one: that group restamped to the
+        current fence where its outputs are still ours to deliver, else dropped."""
+        index, current = result.group, result.current
+        fence, events = groups[index]
+        if result.status is PublishStatus.AHEAD and current is not None:
+            # Only a Redis that lost acknowledged writes is behind us: follow it back.
+            log.error("the authority is behind this stage (%s < %s); resyncing", current,
+                      fence, extra=self._extra())  # fmt: skip
+            self.ctx.fence = current
+            self.view.advance(current)
+            restamp = None
+        else:
+            restamp = self._restamp(fence, current)
+        repaired = list(groups)
+        if restamp is not None:
+            repaired[index] = (restamp, [msgspec.structs.replace(e, fence=restamp) for e in events])
+            return repaired
+        # Released meanwhile (cancel, superseded response): the outputs are dropped and
+        # work still producing for that fence is stopped.
+        del repaired[index]
+        await self._count_drop(result.reason or str(result.status), len(events))
+        if self._producer_fence == fence:
+            self._cancel_producer()
+            await self.backend.release(self.ctx, fence)
+        return repaired
 
     def _restamp(self, fence: Fence, current: Fence | None) -> Fence | None:
         """The fence to publish refused outputs under instead of dropping them, if any.
@@ -362,16 +388,15 @@ class SessionActor:
           fence of the same epoch.
         An epoch regression (a cancel) is never restamped.
         """
-        if current is None:
+        if current is None or current.epoch > fence.epoch:
             return None
+        candidate = fence
         if current.incarnation > fence.incarnation:
             self.ctx.fence = self.ctx.fence.replace(incarnation=current.incarnation)
-            return fence.replace(incarnation=current.incarnation)
-        if (
-            not self.backend.follows_responses
-            and current.incarnation == fence.incarnation
-            and current.epoch == fence.epoch
-        ):
+            candidate = fence.replace(incarnation=current.incarnation)
+        if fence_mismatch(current, candidate) is None:
+            return candidate
+        if not self.backend.follows_responses and current.epoch == fence.epoch:
             self._follow(current)
             return current
         return None

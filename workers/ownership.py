@@ -45,7 +45,9 @@ class PublishStatus(StrEnum):
     LOST = "lost"
     """The lease is no longer ours: we are a zombie for this session."""
     STALE = "stale"
-    """The fence regressed (cancel or failover happened); nothing was written."""
+    """A group's fence regressed (cancel or failover happened); nothing was written."""
+    AHEAD = "ahead"
+    """A group's fence is ahead of the authority (Redis lost writes); nothing was written."""
     CLOSED = "closed"
 
 
@@ -53,7 +55,13 @@ class PublishResult(NamedTuple):
     status: PublishStatus
     reason: str = ""
     current: Fence | None = None
+    group: int = -1
+    """For STALE and AHEAD: the index of the group that was refused."""
     server_event_seq: int = 0
+
+
+OutputGroup = tuple[Fence, Sequence[OutputEvent]]
+"""Outputs published under one fence."""
 
 
 class StageOwnership:
@@ -140,37 +148,42 @@ class StageOwnership:
     async def publish(
         self,
         lease: Lease,
-        fence: Fence,
-        events: Sequence[OutputEvent],
+        groups: Sequence[OutputGroup],
         *,
         applied_seq: int,
         read_id: str,
         out_seq: int,
     ) -> PublishResult:
-        """Append outputs and record progress, atomically, if the lease and fence hold."""
+        """Append every group of outputs and record progress in one atomic step, if the
+        lease holds and no group's fence regressed or runs ahead of the authority.
+
+        ``out_seq`` is the stage's output counter once these outputs are out; a call
+        repeated after its reply was lost is recognised by its outputs' seqs."""
         sk = self.bus.keys.session(lease.session_id)
         keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
+        seqs = [event.seq for _, events in groups for event in events]
         args: list[object] = [
             self.stage,
             lease.token,
-            fence.incarnation,
-            fence.epoch,
-            fence.turn_id,
-            fence.response_seq,
             applied_seq,
             read_id,
-            out_seq,
             "1" if self.to_client else "0",
+            seqs[0] if seqs else 0,
+            out_seq,
+            len(groups),
         ]
-        args.extend(encode_event(event) for event in events)
+        for fence, events in groups:
+            args += [fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
+            args.append(len(events))
+            args.extend(encode_event(event) for event in events)
         reply = await self.bus.run(self.bus.publish_script, keys, args)
         status = PublishStatus(reply[0])
         if status is PublishStatus.OK:
             return PublishResult(status, server_event_seq=int(reply[1]))
-        if status is PublishStatus.STALE:
-            inc, epoch, turn, resp = (int(v) for v in reply[2:6])
+        if status in (PublishStatus.STALE, PublishStatus.AHEAD):
+            inc, epoch, turn, resp = (int(v) for v in reply[3:7])
             current = Fence(lease.session_id, inc, epoch, turn, resp)
-            return PublishResult(status, str(reply[1]), current)
+            return PublishResult(status, str(reply[2]), current, int(reply[1]) - 1)
         return PublishResult(status)
 
     async def note_drop(self, reason: str, count: int) -> None:

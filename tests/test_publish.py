@@ -1,0 +1,132 @@
+"""Publishing a stage's outputs: one atomic step, repaired when refused, never twice.
+
+Each test stages outputs on an actor holding a real lease and moves the
+session's authority by hand between staging and publishing, so the refusal
+it checks happens every run.
+"""
+
+from __future__ import annotations
+
+from coordinator.authority import SessionAuthority
+from schemas.events import OutputKind, decode_output
+from tests.actor_helpers import PIPELINE, STAGE, fail_over, owned_actor
+from workers.actor import SessionActor
+from workers.backends.base import OutputDraft
+from workers.ownership import PublishStatus
+
+
+def authority(actor: SessionActor) -> SessionAuthority:
+    return SessionAuthority(actor.ownership.bus, PIPELINE)
+
+
+async def published(actor: SessionActor) -> list:
+    bus = actor.ownership.bus
+    stream = bus.keys.session(actor.session_id).stage_out(STAGE)
+    return [decode_output(e.fields[b"e"]) for e in await bus.xrange(stream) if b"e" in e.fields]
+
+
+async def applied(actor: SessionActor) -> int:
+    bus = actor.ownership.bus
+    raw = await bus.hmget(bus.keys.session(actor.session_id).progress, [f"{STAGE}:applied"])
+    return int(raw[0] or 0)
+
+
+def stage_text(actor: SessionActor, text: str, source_seq: int, fence=None) -> None:
+    draft = OutputDraft(OutputKind.TEXT_DELTA, text=text)
+    actor._stage(draft, fence or actor.ctx.fence, source_seq)
+
+
+async def test_a_batch_spanning_two_fences_is_published_in_one_step(redis_server, key_prefix):
+    """Cause: each fence's group was a publish of its own and the first recorded the
+    whole batch's progress; a crash between them lost the second group."""
+    async with owned_actor(redis_server, key_prefix) as actor:
+        old = actor.ctx.fence
+        new = await authority(actor).reserve_response(actor.session_id)
+        stage_text(actor, "a", 1, old)
+        stage_text(actor, "b", 2, new)
+        # Refused as a whole: the second group runs ahead of the authority's turn, and
+        # the first, acceptable on its own, is not written either.
+        ahead = new.replace(turn_id=5)
+        groups = [(new, actor._pending[:1]), (ahead, actor._pending[1:])]
+        result = await actor.ownership.publish(
+            actor.lease, groups, applied_seq=2, read_id="2-0", out_seq=2
+        )
+        assert (result.status, result.group) == (PublishStatus.AHEAD, 1)
+        assert await published(actor) == [] and await applied(actor) == 0
+        # Through the actor: both groups (the echo's older one moved to the current
+        # response) and the progress land together.
+        actor.applied_seq, actor.read_id = 2, "2-0"
+        await actor._flush()
+        assert [o.text for o in await published(actor)] == ["a", "b"]
+        assert await applied(actor) == 2
+
+
+async def test_a_cancelled_group_is_dropped_and_the_rest_published(redis_server, key_prefix):
+    async with owned_actor(redis_server, key_prefix) as actor:
+        before = actor.ctx.fence
+        stage_text(actor, "stale", 1, before)
+        cancel = await authority(actor).cancel(actor.session_id)
+        stage_text(actor, "fresh", 2, cancel.fence)
+        actor.applied_seq, actor.read_id = 2, "2-0"
+        await actor._flush()
+        assert [(o.text, o.fence) for o in await published(actor)] == [("fresh", cancel.fence)]
+        assert await applied(actor) == 2
+
+
+async def test_restamps_follow_every_failover_and_response_in_between(redis_server, key_prefix):
+    """Cause: one retry only, and the incarnation restamp kept the old response seq,
+    so an input-describing stage's outputs were dropped as ``response``."""
+    async with owned_actor(redis_server, key_prefix) as actor:
+        stage_text(actor, "x", 1)
+        auth = authority(actor)
+        await fail_over(actor)
+        await auth.reserve_response(actor.session_id)
+        # Between each refusal and the retry, another failover: the authority moves again.
+        real_publish = actor.ownership.publish
+        moves = 3
+
+        async def moving_publish(*args, **kwargs):
+            nonlocal moves
+            result = await real_publish(*args, **kwargs)
+            if result.status is PublishStatus.STALE and moves:
+                moves -= 1
+                await fail_over(actor)
+            return result
+
+        actor.ownership.publish = moving_publish  # type: ignore[method-assign]
+        actor.applied_seq, actor.read_id = 1, "1-0"
+        await actor._flush()
+        current = await auth.current(actor.session_id)
+        assert current.incarnation == 4 and current.response_seq == 1
+        assert [(o.text, o.fence) for o in await published(actor)] == [("x", current)]
+        assert actor.ctx.fence.incarnation == 4
+
+
+async def test_a_publish_ahead_of_the_authority_is_refused_and_resynced(redis_server, key_prefix):
+    async with owned_actor(redis_server, key_prefix) as actor:
+        current = actor.ctx.fence
+        # As after a Redis that lost its last writes: this stage saw epoch 1, Redis did not.
+        actor.ctx.fence = current.replace(epoch=1)
+        stage_text(actor, "from the future", 1)
+        actor.applied_seq, actor.read_id = 1, "1-0"
+        await actor._flush()
+        assert await published(actor) == []
+        assert await applied(actor) == 1
+        assert actor.ctx.fence == current
+        # The session is not deaf: the next output goes out under the real fence.
+        stage_text(actor, "now", 2)
+        actor.applied_seq, actor.read_id = 2, "2-0"
+        await actor._flush()
+        assert [(o.text, o.fence) for o in await published(actor)] == [("now", current)]
+
+
+async def test_a_repeated_publish_writes_nothing_twice(redis_server, key_prefix):
+    async with owned_actor(redis_server, key_prefix) as actor:
+        stage_text(actor, "once", 1)
+        groups = [(actor.ctx.fence, list(actor._pending))]
+        for _ in range(2):  # a retry after a lost reply sends the very same call
+            result = await actor.ownership.publish(
+                actor.lease, groups, applied_seq=1, read_id="1-0", out_seq=1
+            )
+            assert result.status is PublishStatus.OK
+        assert [o.text for o in await published(actor)] == ["once"]
