@@ -4,13 +4,25 @@ A thin shell over the Lua in ``coordinator.scripts``: it builds key lists,
 encodes what the scripts embed, and turns status words into typed results or
 the errors of ``schemas.errors``. Any number of coordinator processes can use
 it on the same session at once.
+
+Every mutating call is idempotent across retries: each ``SessionAuthority`` is
+a producer with an id of its own, makes its calls on one session one at a time
+and numbers them; the script answers a repeated number with the reply it gave
+the first time (see ``coordinator.scripts``). So a reply lost to a dropped
+connection, which the bus retries, never appends an input twice, bumps an
+epoch twice or journals a notice twice (``tests/test_idempotence.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import secrets
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import msgspec
@@ -69,6 +81,26 @@ class SessionAuthority:
     def __init__(self, bus: RedisBus, pipeline: PipelineConfig) -> None:
         self.bus = bus
         self.pipeline = pipeline
+        self.producer = secrets.token_hex(8)
+        """This authority's producer id in the scripts' retry detection."""
+        self._numbers = itertools.count(1)
+        self._serial: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    @asynccontextmanager
+    async def _one_at_a_time(self, session_id: str) -> AsyncIterator[int]:
+        """Hold the session's call slot; yields the call's number (increasing)."""
+        lock = self._serial.get(session_id)
+        if lock is None:
+            lock = self._serial[session_id] = asyncio.Lock()
+        async with lock:
+            yield next(self._numbers)
+
+    async def _call(
+        self, script: Any, session_id: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> list[Any]:
+        """Run a mutating script as this producer's next call on ``session_id``."""
+        async with self._one_at_a_time(session_id) as number:
+            return await self.bus.run(script, keys, [*args, self.producer, number])
 
     def script_keys(self, session_id: str) -> list[str]:
         """KEYS for the lifecycle scripts: meta in ctl out prog, then (stage out, lease)*."""
@@ -105,8 +137,9 @@ class SessionAuthority:
         caps_text = "" if caps == ALL_MODES else " ".join(sorted(m.value for m in caps))
         ts = now_ms()
         await self.bus.client.zadd(self.bus.keys.sessions, {session_id: ts})
-        reply = await self.bus.run(
+        reply = await self._call(
             self.bus.open_script,
+            session_id,
             self.script_keys(session_id),
             [session_id, caps_text, ts, -1 if incarnation is None else incarnation],
         )
@@ -142,8 +175,9 @@ class SessionAuthority:
             given = ["1", fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
         sk = self.bus.keys.session(session_id)
         tail = encode_tail(checked, payload, now_ms() if ts_ms is None else ts_ms)
-        reply = await self.bus.run(
+        reply = await self._call(
             self.bus.append_script,
+            session_id,
             [sk.meta, sk.input],
             [session_id, checked.value, tail, *given],
         )
@@ -166,7 +200,7 @@ class SessionAuthority:
     async def reserve_response(self, session_id: str) -> Fence:
         """Advance the session's response_seq; the response's inputs and outputs carry it."""
         sk = self.bus.keys.session(session_id)
-        reply = await self.bus.run(self.bus.reserve_script, [sk.meta], [])
+        reply = await self._call(self.bus.reserve_script, session_id, [sk.meta], [])
         if reply[0] != "ok":
             self._raise(session_id, reply)
         return _fence(session_id, reply, 1)
@@ -175,8 +209,9 @@ class SessionAuthority:
         self, session_id: str, *, expect_epoch: int | None = None, reason: str = "cancel"
     ) -> CancelResult:
         """Interrupt: bump the epoch and put the cancel ahead of queued data."""
-        reply = await self.bus.run(
+        reply = await self._call(
             self.bus.cancel_script,
+            session_id,
             self.script_keys(session_id),
             [session_id, reason, now_ms(), -1 if expect_epoch is None else expect_epoch],
         )
@@ -198,8 +233,9 @@ class SessionAuthority:
     ) -> Fence:
         """Close the session; its keys expire after ``ttl_s``."""
         expect = -1 if expect_incarnation is None else expect_incarnation
-        reply = await self.bus.run(
+        reply = await self._call(
             self.bus.close_script,
+            session_id,
             self.script_keys(session_id),
             [session_id, reason, now_ms(), expect, ttl_s],
         )
@@ -236,8 +272,8 @@ class SessionAuthority:
                 "ts_ms": now_ms(),
             }
         )[1:]
-        reply = await self.bus.run(
-            self.bus.journal_script, [sk.meta, sk.client], [session_id, tail]
+        reply = await self._call(
+            self.bus.journal_script, session_id, [sk.meta, sk.client], [session_id, tail]
         )
         if reply[0] != "ok":
             self._raise(session_id, reply)

@@ -49,6 +49,30 @@ local function holds(lease_value, token)
   return lease_value and string.find(' ' .. lease_value .. ' ', ' ' .. token .. ' ', 1, true)
 end
 
+-- Idempotent calls, as Kafka's idempotent producer: every caller of a mutating
+-- script (a "producer": one authority object) numbers its calls on a session and
+-- makes them one at a time, passing the producer id and the number as the last two
+-- ARGV. The reply to the last call is kept in the meta hash under w:<producer>; a
+-- call whose number is not above it is a retry (its first reply was lost) and gets
+-- that reply again, changing nothing. An empty producer id opts out.
+local PRODUCER, PSEQ = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
+
+local function replayed(meta)
+  if PRODUCER == '' then return nil end
+  local raw = redis.call('HGET', meta, 'w:' .. PRODUCER)
+  if not raw then return nil end
+  local last = cjson.decode(raw)
+  if PSEQ <= last[1] then return last[2] end
+  return nil
+end
+
+local function remember(meta, reply)
+  if PRODUCER ~= '' then
+    redis.call('HSET', meta, 'w:' .. PRODUCER, cjson.encode({PSEQ, reply}))
+  end
+  return reply
+end
+
 -- Append a fence barrier to the client journal and every stage stream.
 -- Streams are trimmed only by the control plane, which knows what is still unread.
 local function barrier(first_stage_key, control)
@@ -60,8 +84,10 @@ end
 """
 
 # KEYS: meta in ctl out prog (stage_out lease)*
-# ARGV: sid caps now_ms requested_inc(-1: next free)
+# ARGV: sid caps now_ms requested_inc(-1: next free) producer pseq
 OPEN = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local status, oldinc = unpack(redis.call('HMGET', KEYS[1], 'status', 'inc'))
 local inc = tonumber(ARGV[4])
 if status == 'open' then return {'exists', tonumber(oldinc)} end
@@ -79,13 +105,15 @@ redis.call('HSET', KEYS[1], 'status', 'open', 'inc', inc, 'epoch', 0, 'turn', 0,
   'inc0', inc)
 local fence = pack_fence(ARGV[1], inc, 0, 0, 0)
 redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonumber(ARGV[3])))
-return {'ok', inc}
+return remember(KEYS[1], {'ok', inc})
 """
 
 # KEYS: meta in
-# ARGV: sid mode tail given(0|1) inc ep tu rs
+# ARGV: sid mode tail given(0|1) inc ep tu rs producer pseq
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
 APPEND = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
   'tkey', 'caps')
 if not m[1] then return {'missing'} end
@@ -113,7 +141,7 @@ local event = string.char(0x87)
   .. cmsgpack.pack('turn_seq') .. cmsgpack.pack(tseq)
   .. ARGV[3]
 local id = redis.call('XADD', KEYS[2], '*', 'e', event)
-return {'ok', seq, tseq, inc, ep, tu, rs, id}
+return remember(KEYS[1], {'ok', seq, tseq, inc, ep, tu, rs, id})
 """
 
 # KEYS: meta
@@ -130,8 +158,10 @@ return {'ok'}
 """
 
 # KEYS: meta in ctl out prog (stage_out lease)*
-# ARGV: sid reason now_ms expect_epoch(-1: any)
+# ARGV: sid reason now_ms expect_epoch(-1: any) producer pseq
 CANCEL = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
@@ -143,12 +173,14 @@ local control = pack_control('cancel', pack_fence(ARGV[1], inc, ep + 1, tu, rs),
   pack_fence(ARGV[1], inc, ep, tu, rs), ARGV[2], tonumber(ARGV[3]))
 redis.call('XADD', KEYS[3], '*', 'c', control)
 barrier(6, control)
-return {'ok', inc, ep + 1, tu, rs}
+return remember(KEYS[1], {'ok', inc, ep + 1, tu, rs})
 """
 
 # KEYS: meta in ctl out prog (stage_out lease)*
-# ARGV: sid reason now_ms expect_inc(-1: any) ttl_s
+# ARGV: sid reason now_ms expect_inc(-1: any) ttl_s producer pseq
 CLOSE = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
@@ -163,7 +195,7 @@ barrier(6, control)
 for i = 1, #KEYS do
   if i < 6 or i % 2 == 0 then redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 end
-return {'ok', inc, ep, tu, rs}
+return remember(KEYS[1], {'ok', inc, ep, tu, rs})
 """
 
 # KEYS: meta in ctl out prog (stage_out lease)*  -- the stage's own pair is KEYS[6], KEYS[7]
@@ -172,8 +204,15 @@ ACQUIRE = r"""
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if m[1] ~= 'open' then return {'closed'} end
 local holder = redis.call('GET', KEYS[7])
-if holder then return {'held', holder} end
 local stage = ARGV[2]
+if holder and holds(holder, ARGV[4]) then
+  -- A retry of an acquire that succeeded (its reply was lost): the same grant again.
+  local inc = tonumber(string.match(holder, '(%d+)$'))
+  local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
+  return {'ok', inc, tonumber(m[3]), tonumber(m[4]), tonumber(m[5]), 0, tonumber(p[1] or '0'),
+    p[2] or '0-0', tonumber(p[3] or '0')}
+end
+if holder then return {'held', holder} end
 local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local owners = tonumber(redis.call('HGET', KEYS[5], stage .. ':owners') or '0')
 local failover = 0
@@ -268,12 +307,14 @@ return {'ok', last_sn}
 """
 
 # KEYS: meta out
-# ARGV: sid tail
+# ARGV: sid tail producer pseq
 # A coordinator notice into the client journal, stamped with the session's
 # current fence and the next server_event_seq (also its output seq), so it is
 # ordered with the stages' outputs and replayed on resume like them. ``tail``
 # is the msgpack of the OutputEvent entries other than t, fence and seq.
 JOURNAL = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if not m[1] then return {'missing'} end
 local n = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
@@ -284,15 +325,18 @@ local event = string.char(0x8b)
   .. cmsgpack.pack('seq') .. cmsgpack.pack(n)
   .. ARGV[2]
 redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
-return {'ok', n}
+return remember(KEYS[1], {'ok', n})
 """
 
 # KEYS: meta
+# ARGV: producer pseq
 # Reserve the next response: response_seq + 1 (inputs after it carry the new value).
 RESERVE = r"""
+local again = replayed(KEYS[1])
+if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
 local resp = redis.call('HINCRBY', KEYS[1], 'resp', 1)
-return {'ok', tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), resp}
+return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), resp})
 """

@@ -1,0 +1,117 @@
+"""A lost reply never makes a retried write happen twice.
+
+A fault-injecting proxy sits between the bus and a real redis-server and cuts
+the connection right after Redis ran one script, before its reply comes back.
+The bus retries the call on a new connection; each script must recognise the
+repeat (the caller's producer id and call number) and answer as the first
+time, changing nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from coordinator.authority import SessionAuthority
+from coordinator.bus import RedisBus
+from schemas.config import echo_pipeline
+from schemas.events import TextPayload, decode_control
+from schemas.keys import Keys
+from tests.tcp_proxy import FaultyProxy, faulty_proxy
+from workers.ownership import AcquireStatus, StageOwnership
+
+PIPELINE = echo_pipeline("echo")
+
+
+class Rig:
+    def __init__(self, proxy: FaultyProxy, bus: RedisBus) -> None:
+        self.proxy = proxy
+        self.bus = bus
+        self.authority = SessionAuthority(bus, PIPELINE)
+        self.sk = bus.keys.session("s1")
+
+    def drop_next(self, script) -> None:
+        self.proxy.drop_reply_after(script.sha.encode())
+
+    async def meta(self, field: str) -> int:
+        return int((await self.bus.hmget(self.sk.meta, [field]))[0] or 0)
+
+
+@pytest.fixture
+async def rig(redis_server, key_prefix) -> AsyncIterator[Rig]:
+    async with faulty_proxy(redis_server.port) as proxy:
+        bus = RedisBus(proxy.url, Keys(key_prefix))
+        # Scripts loaded beforehand: the dropped reply is the script's, not a NOSCRIPT.
+        for name in ("open", "append", "cancel", "close", "journal", "reserve", "acquire"):
+            await bus.client.script_load(getattr(bus, f"{name}_script").script)
+        try:
+            yield Rig(proxy, bus)
+        finally:
+            await bus.aclose()
+
+
+async def test_a_retried_open_opens_once(rig):
+    rig.drop_next(rig.bus.open_script)
+    fence = await rig.authority.open("s1")
+    assert rig.proxy.dropped == 1
+    assert fence.incarnation == 0 and await rig.meta("inc") == 0
+    assert await rig.bus.xlen(rig.sk.control) == 1
+
+
+async def test_a_retried_append_appends_once(rig):
+    await rig.authority.open("s1")
+    rig.drop_next(rig.bus.append_script)
+    receipt = await rig.authority.append("s1", "append_text", TextPayload("hello"))
+    assert rig.proxy.dropped == 1
+    assert receipt.seq == 1 and await rig.meta("seq") == 1
+    assert await rig.bus.xlen(rig.sk.input) == 1
+    # The next call is a new one and gets the next seq.
+    assert (await rig.authority.append("s1", "append_text", TextPayload("next"))).seq == 2
+
+
+async def test_a_retried_cancel_bumps_the_epoch_once(rig):
+    await rig.authority.open("s1")
+    rig.drop_next(rig.bus.cancel_script)
+    result = await rig.authority.cancel("s1")
+    assert rig.proxy.dropped == 1
+    assert result.applied and result.fence.epoch == 1 and await rig.meta("epoch") == 1
+    controls = [decode_control(e.fields[b"c"]) for e in await rig.bus.xrange(rig.sk.control)]
+    assert [c.kind.value for c in controls] == ["open", "cancel"]
+
+
+async def test_a_retried_reserve_reserves_once(rig):
+    await rig.authority.open("s1")
+    rig.drop_next(rig.bus.reserve_script)
+    fence = await rig.authority.reserve_response("s1")
+    assert rig.proxy.dropped == 1
+    assert fence.response_seq == 1 and await rig.meta("resp") == 1
+
+
+async def test_a_retried_journal_notice_is_journaled_once(rig):
+    await rig.authority.open("s1")
+    rig.drop_next(rig.bus.journal_script)
+    seq = await rig.authority.journal("s1", {"type": "notice"})
+    assert rig.proxy.dropped == 1
+    assert seq == 1 and await rig.bus.xlen(rig.sk.client) == 1
+
+
+async def test_a_retried_close_closes_once(rig):
+    await rig.authority.open("s1")
+    rig.drop_next(rig.bus.close_script)
+    fence = await rig.authority.close("s1")
+    assert rig.proxy.dropped == 1
+    assert fence.incarnation == 0
+    controls = [decode_control(e.fields[b"c"]) for e in await rig.bus.xrange(rig.sk.control)]
+    assert [c.kind.value for c in controls] == ["open", "close"]
+
+
+async def test_a_retried_acquire_grants_the_lease_it_took(rig):
+    await rig.authority.open("s1")
+    ownership = StageOwnership(rig.bus, PIPELINE, "echo", "w1", 5000)
+    rig.drop_next(rig.bus.acquire_script)
+    status, lease = await ownership.acquire("s1", 0)
+    assert rig.proxy.dropped == 1
+    assert status is AcquireStatus.OK and lease is not None and not lease.failover
+    owners = await rig.bus.hmget(rig.sk.progress, ["echo:owners"])
+    assert owners == [b"1"]
