@@ -23,7 +23,7 @@ from pathlib import Path
 
 from coordinator.connection import terminal_stages
 from coordinator.service import Coordinator
-from schemas.config import PipelineConfig, Settings
+from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
 from schemas.events import OutputEvent, OutputKind, TextPayload
 
 
@@ -58,7 +58,7 @@ class LocalStack:
         data.mkdir(parents=True, exist_ok=True)
         args = [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--appendonly", "yes", "--save", "", "--maxmemory-policy", "noeviction",
+            *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction",
         ]  # fmt: skip
         self._spawn("redis", args)
         deadline = time.monotonic() + 10

@@ -19,6 +19,18 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "always")
+"""How every Redis that duplexq starts persists (``up``, compose, the tests).
+
+An input is acknowledged to the client only after the script that appended it
+returned, and with ``appendfsync always`` Redis writes and fsyncs the AOF
+before it sends any reply: an acknowledged input survives kill -9 of Redis and
+a crash of its host. ``everysec`` is not enough even for a process crash: when
+the disk is slow Redis postpones the AOF write while it keeps replying, and a
+restart then rolls the session back under live processes. The price is one
+fsync per Redis event loop round, shared by every command of that round
+(docs/data-plane.md, ``tests/test_redis_restart.py``)."""
+
 SESSION_INPUT = "session"
 """The ``input`` of a stage that reads the session's input log."""
 

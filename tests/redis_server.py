@@ -1,4 +1,8 @@
-"""A real redis-server for tests: own port, own temp dir, started and stopped here."""
+"""A real redis-server for tests: own port, own temp dir, started and stopped here.
+
+It persists as every Redis duplexq starts does (``REDIS_PERSISTENCE``: AOF,
+fsync before each reply), so what the tests prove holds for what ships.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from schemas.config import REDIS_PERSISTENCE
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -21,13 +27,14 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process; ``restart()`` keeps its data dir (and AOF)."""
 
-    def __init__(self, workdir: Path, *, appendonly: bool = False) -> None:
+    def __init__(self, workdir: Path, *, appendonly: bool = True) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; run scripts/setup")
         self.binary = binary
         self.workdir = workdir
         self.appendonly = appendonly
+        """False only for a test that needs a Redis which forgets (none by default)."""
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -43,8 +50,7 @@ class RedisServer:
             "--bind", "127.0.0.1",
             "--dir", str(self.workdir),
             "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always",
+            *(REDIS_PERSISTENCE if self.appendonly else ("--appendonly", "no")),
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.workdir / "redis.log"),
         ]  # fmt: skip
