@@ -42,7 +42,7 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(hub.run(), name="journal reader")
+        task = asyncio.create_task(hub.run(), name="hub")
         try:
             yield
         finally:
@@ -52,13 +52,14 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
                 await task
 
     async def realtime(websocket: WebSocket) -> None:
+        key = presented_key(dict(websocket.headers), dict(websocket.query_params))
         try:
-            hub.check_key(presented_key(dict(websocket.headers), dict(websocket.query_params)))
+            hub.check_key(key)
         except AuthError:
             await websocket.close(code=1008, reason="unauthorized")
             return
         await websocket.accept()
-        await Connection(hub, websocket).serve()
+        await Connection(hub, websocket, key).serve()
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

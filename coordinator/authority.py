@@ -232,13 +232,34 @@ class SessionAuthority:
         ttl_s: int = 3600,
     ) -> Fence:
         """Close the session; its keys expire after ``ttl_s``."""
+        fence = await self._close(session_id, expect_incarnation, reason, ttl_s, 0)
+        assert fence is not None
+        return fence
+
+    async def close_detached(
+        self, session_id: str, *, idle_before_ms: int, reason: str, ttl_s: int = 3600
+    ) -> Fence | None:
+        """Close the session if a client connection once attached to it and none has
+        held it since ``idle_before_ms``; None when it is (or never was) attached."""
+        return await self._close(session_id, None, reason, ttl_s, max(1, idle_before_ms))
+
+    async def _close(
+        self,
+        session_id: str,
+        expect_incarnation: int | None,
+        reason: str,
+        ttl_s: int,
+        idle_before_ms: int,
+    ) -> Fence | None:
         expect = -1 if expect_incarnation is None else expect_incarnation
         reply = await self._call(
             self.bus.close_script,
             session_id,
             self.script_keys(session_id),
-            [session_id, reason, now_ms(), expect, ttl_s],
+            [session_id, reason, now_ms(), expect, ttl_s, idle_before_ms],
         )
+        if reply[0] == "attached":
+            return None
         if reply[0] != "ok":
             self._raise(session_id, reply)
         await self.bus.client.zrem(self.bus.keys.sessions, session_id)

@@ -89,6 +89,9 @@ class RedisBus:
         self.publish_script = self._register(scripts.PUBLISH)
         self.journal_script = self._register(scripts.JOURNAL)
         self.reserve_script = self._register(scripts.RESERVE)
+        self.attach_script = self._register(scripts.ATTACH)
+        self.hold_script = self._register(scripts.HOLD)
+        self.detach_script = self._register(scripts.DETACH)
 
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)

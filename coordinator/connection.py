@@ -8,9 +8,13 @@ tasks: ``receive`` (client events -> session log, in order) and ``pump``
 and the connection goes on; nothing already accepted is touched.
 
 On disconnect the session is kept for ``resume_grace_s``; a
-``session.resume`` with its token (on this or any coordinator process)
-receives every journal event after ``last_received_server_event_seq``, then
-live ones. When the grace ends without a resume the session is closed.
+``session.resume`` with its token (on this or any coordinator process, with
+the API key that opened the session) receives a new token and every journal
+event after ``last_received_server_event_seq``, then live ones. Which
+connection serves a session is agreed on in Redis (``coordinator.attachments``):
+a resume while the old socket still looks open closes the old one, and a
+session whose client never comes back is closed after the grace period by its
+coordinator or, if that coordinator is gone, by the control plane.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from coordinator.attachments import Attachments, key_digest
 from coordinator.metrics import CANCEL_ACK, FIRST_OUTPUT, SESSIONS
 from coordinator.output_reader import Delivery
 from coordinator.realtime import (
@@ -44,6 +49,7 @@ from schemas.errors import (
     InputBackpressureError,
     ProtocolError,
     ResourceExhaustedError,
+    SessionClosedError,
 )
 from schemas.events import (
     ClearPayload,
@@ -116,10 +122,16 @@ class Hub:
         self.settings = settings
         self.pipeline = pipeline
         self.coordinator = Coordinator(settings, pipeline)
+        self.attachments = Attachments(self.coordinator.bus, settings.attach_ttl_ms)
         self.terminal = terminal_stages(pipeline)
-        self.queues: dict[str, asyncio.Queue[Delivery]] = {}
+        self.connections: dict[str, Connection] = {}
         self.graces: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
+
+    @property
+    def queues(self) -> dict[str, asyncio.Queue[Delivery]]:
+        """The outbound queue of each session served here."""
+        return {sid: conn.queue for sid, conn in self.connections.items()}
 
     def check_key(self, presented: str | None) -> None:
         if self.settings.allow_anonymous and not presented:
@@ -129,13 +141,19 @@ class Hub:
         raise AuthError("a valid API key is required")
 
     def reserve(self) -> None:
-        if len(self.queues) >= self.settings.max_sessions:
+        if len(self.connections) >= self.settings.max_sessions:
             raise ResourceExhaustedError(
                 f"this coordinator serves {self.settings.max_sessions} sessions; retry later"
             )
 
     async def run(self) -> None:
-        """Route journal deliveries to connections until ``stop``."""
+        """Route journal deliveries to connections and hold their attachments until
+        ``stop``."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._route(), name="journal reader")
+            group.create_task(self._hold(), name="attachments")
+
+    async def _route(self) -> None:
         while not self._stopping.is_set():
             try:
                 deliveries = await self.coordinator.outputs()
@@ -144,9 +162,27 @@ class Hub:
                 await asyncio.sleep(0.2)
                 continue
             for delivery in deliveries:
-                queue = self.queues.get(delivery.session_id)
-                if queue is not None:
-                    queue.put_nowait(delivery)
+                connection = self.connections.get(delivery.session_id)
+                if connection is not None:
+                    connection.queue.put_nowait(delivery)
+
+    async def _hold(self) -> None:
+        """Renew the attachments of this process's connections; close the ones whose
+        session another connection took over."""
+        period = self.settings.attach_ttl_ms / 3000
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), period)
+            held = {sid: conn.attachment for sid, conn in self.connections.items()}
+            try:
+                statuses = await self.attachments.hold(held, _now_ms())
+            except Exception:
+                log.exception("renewing attachments failed; retrying")
+                continue
+            for sid, status in statuses.items():
+                connection = self.connections.get(sid)
+                if status == "replaced" and connection is not None:
+                    await connection.evict("session resumed on another connection")
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -157,33 +193,70 @@ class Hub:
                 await task
         await self.coordinator.aclose()
 
-    def detach(self, session_id: str) -> None:
-        """The connection went away: keep the session for the grace period."""
-        self.queues.pop(session_id, None)
-        SESSIONS.set(len(self.queues))
-        self.coordinator.reader.detach(session_id)
-        self.graces[session_id] = asyncio.create_task(self._expire(session_id))
+    async def register(self, connection: Connection) -> None:
+        """``connection`` now serves its session; one it replaces here is closed."""
+        sid = connection.session_id
+        grace = self.graces.pop(sid, None)
+        if grace is not None:
+            grace.cancel()
+        previous = self.connections.get(sid)
+        self.connections[sid] = connection
+        SESSIONS.set(len(self.connections))
+        if previous is not None and previous is not connection:
+            await previous.evict("session resumed on another connection")
+
+    async def detach(self, connection: Connection) -> None:
+        """``connection`` went away: if it still served its session, the session is kept
+        for the grace period."""
+        sid = connection.session_id
+        if not sid or self.connections.get(sid) is not connection:
+            return  # never served, or replaced by a newer connection
+        del self.connections[sid]
+        SESSIONS.set(len(self.connections))
+        self.coordinator.reader.detach(sid)
+        try:
+            if not await self.attachments.detach(sid, connection.attachment, _now_ms()):
+                return  # another coordinator's connection holds it now
+        except Exception:
+            # Redis unreachable: the attachment lapses on its own and the grace
+            # period runs from there.
+            log.warning("could not record the detach of session %s", sid, exc_info=True)
+        if not self._stopping.is_set():
+            self.graces[sid] = asyncio.create_task(self._expire(sid))
 
     async def _expire(self, session_id: str) -> None:
+        grace_ms = self.settings.resume_grace_s * 1000
         try:
-            await asyncio.sleep(self.settings.resume_grace_s)
-            if session_id not in self.queues:
-                await self.coordinator.close(session_id, reason="detached")
+            await asyncio.sleep(grace_ms / 1000)
+            closed = await self.coordinator.authority.close_detached(
+                session_id,
+                idle_before_ms=_now_ms() - grace_ms + 1,
+                reason="detached",
+                ttl_s=self.settings.closed_ttl_s,
+            )
+            if closed is not None:
                 log.info("session %s closed after the resume grace period", session_id)
         except DuplexqError:
-            pass  # closed or moved meanwhile
+            pass  # closed meanwhile
         finally:
             self.graces.pop(session_id, None)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 class Connection:
     """One WebSocket client: its session, its event order, its errors."""
 
-    def __init__(self, hub: Hub, socket: Socket) -> None:
+    def __init__(self, hub: Hub, socket: Socket, api_key: str | None = None) -> None:
         self.hub = hub
         self.socket = socket
         self.coordinator = hub.coordinator
         self.session_id = ""
+        self.attachment = secrets.token_hex(8)
+        """This connection's id in the session's attachment."""
+        self.key_digest = key_digest(api_key)
         self.config = SessionConfig()
         self.translator = ServerEventTranslator(hub.terminal)
         self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -218,7 +291,13 @@ class Connection:
                 await self._receive()
                 pump.cancel()
         finally:
-            self.hub.detach(self.session_id)
+            await self.hub.detach(self)
+
+    async def evict(self, reason: str) -> None:
+        """Another connection serves the session now: close this socket (its receive
+        loop then ends and nothing of the session is touched by this connection)."""
+        with contextlib.suppress(Exception):
+            await self.socket.close(code=4000, reason=reason)
 
     async def _first_event(self) -> ClientEvent | None:
         wait_s = self.hub.settings.first_event_wait_ms / 1000
@@ -237,10 +316,12 @@ class Connection:
         self.session_id = f"sess_{secrets.token_hex(12)}"
         token = secrets.token_urlsafe(32)
         fence = await self.coordinator.open(self.session_id)
+        await self.hub.attachments.attach(
+            self.session_id, self.attachment, self.key_digest, _now_ms(), resume=False
+        )
         bus = self.coordinator.bus
         await bus.client.set(bus.keys.resume(token_hash(token)), self.session_id, ex=86_400)
-        self.hub.queues[self.session_id] = self.queue
-        SESSIONS.set(len(self.hub.queues))
+        await self.hub.register(self)
         await self.socket.send_json(
             {
                 "type": "session.created",
@@ -258,21 +339,28 @@ class Connection:
     async def _resume(self, event: SessionResume) -> None:
         session_id = await self._session_for_token(event.resume_token)
         self.hub.reserve()
-        grace = self.hub.graces.pop(session_id, None)
-        if grace is not None:
-            grace.cancel()
+        try:
+            await self.hub.attachments.attach(
+                session_id, self.attachment, self.key_digest, _now_ms(), resume=True
+            )
+        except SessionClosedError as exc:
+            raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
         self.session_id = session_id
+        # The token is good for one resume: the next one needs the token sent now.
+        token = secrets.token_urlsafe(32)
+        bus = self.coordinator.bus
+        await bus.client.set(bus.keys.resume(token_hash(token)), session_id, ex=86_400)
+        await bus.client.delete(bus.keys.resume(token_hash(event.resume_token)))
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_server_event_seq, self.translator
         )
-        self.hub.queues[session_id] = self.queue
-        SESSIONS.set(len(self.hub.queues))
+        await self.hub.register(self)
         self.coordinator.reader.attach(
             session_id, replay.follower.view.current, follower=replay.follower
         )
         await self.socket.send_json(
             {"type": "session.resumed", "server_event_seq": replay.last_seq,
-             "session": {"id": session_id}}
+             "session": {"id": session_id}, "resume_token": token}
         )  # fmt: skip
         for server_event in replay.events:
             await self.socket.send_json(server_event)

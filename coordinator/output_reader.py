@@ -40,8 +40,11 @@ class Delivery(NamedTuple):
 class JournalFollower:
     """The judging state of one session's journal, read in order."""
 
-    def __init__(self, session_id: str, fence: Fence, cursor: str = "0-0") -> None:
+    def __init__(
+        self, session_id: str, fence: Fence, cursor: str = "0-0", *, metrics: bool = True
+    ) -> None:
         self.session_id = session_id
+        self._metrics = metrics
         # The journal may be read from the middle (a reconnect, another coordinator):
         # the incarnation live at the cursor is learnt from the journal itself.
         self.view = FenceView.resuming(fence)
@@ -74,7 +77,8 @@ class JournalFollower:
 
     def _drop(self, reason: str, stage: str) -> None:
         self.dropped[reason] += 1
-        DROPPED_STALE.inc(stage=stage or "client", reason=reason)
+        if self._metrics:
+            DROPPED_STALE.inc(stage=stage or "client", reason=reason)
 
 
 class OutputReader:

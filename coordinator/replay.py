@@ -34,7 +34,7 @@ from typing import IO, Any, Literal
 
 from coordinator.authority import SessionAuthority
 from coordinator.bus import Entry, RedisBus
-from coordinator.sessions import FenceView
+from coordinator.output_reader import JournalFollower
 from schemas.config import PipelineConfig
 from schemas.errors import (
     DuplexqError,
@@ -47,9 +47,7 @@ from schemas.events import (
     InputMode,
     OutputEvent,
     OutputKind,
-    decode_control,
     decode_input,
-    decode_output,
 )
 from schemas.fence import Fence
 from schemas.keys import Keys
@@ -120,50 +118,34 @@ def compare_outputs(source: Sequence[OutputEvent], target: Sequence[OutputEvent]
     return Comparison(len(source), len(target), matched, mismatch)
 
 
-class JournalView:
-    """Judges a client journal's entries in order, as the output reader does.
-
-    Coordinator notices (``OutputKind.NOTICE``: server events of the client
-    connection, not outputs of the pipeline) are judged but not returned: a
-    replay has no client connection, so they are not part of a comparison.
-    """
-
-    def __init__(self, session_id: str) -> None:
-        self.session_id = session_id
-        self._view: FenceView | None = None
-        self._last_seq: dict[str, int] = {}
-
-    def _start(self, fence: Fence) -> FenceView:
-        if self._view is None:
-            self._view = FenceView(Fence(self.session_id, fence.incarnation))
-        return self._view
-
-    def feed(self, entry: Entry) -> OutputEvent | None:
-        """The output a client would have received for ``entry``, if any."""
-        try:
-            if b"c" in entry.fields:
-                control = decode_control(entry.fields[b"c"])
-                self._start(control.cancelled or control.fence).observe(control.fence)
-                return None
-            output = decode_output(entry.fields.get(b"e", b""))
-        except WireDecodeError:
-            return None
-        view = self._start(output.fence)
-        if output.seq <= self._last_seq.get(output.stage, 0) or view.judge(output.fence):
-            return None
-        self._last_seq[output.stage] = output.seq
-        return None if output.kind is OutputKind.NOTICE else output
-
-
 async def client_outputs(bus: RedisBus, session_id: str) -> list[OutputEvent]:
-    """Everything a client following ``session_id`` from the start would have received."""
-    view = JournalView(session_id)
+    """Everything a client following ``session_id`` from the start would have received,
+    judged by the output reader's own ``JournalFollower``. Coordinator notices
+    (``OutputKind.NOTICE``: server events of a client connection, not outputs of the
+    pipeline) are left out: a replay has no client connection."""
+    follower = _follower(session_id)
     journal = bus.keys.session(session_id).client
     outputs: list[OutputEvent] = []
     start = "-"
     while page := await bus.xrange(journal, start, "+", count=PAGE):
-        outputs += [out for out in map(view.feed, page) if out is not None]
+        outputs += pipeline_outputs(follower, page)
         start = "(" + page[-1].id
+    return outputs
+
+
+def _follower(session_id: str) -> JournalFollower:
+    return JournalFollower(session_id, Fence(session_id), metrics=False)
+
+
+def pipeline_outputs(follower: JournalFollower, page: Sequence[Entry]) -> list[OutputEvent]:
+    """The outputs of ``page`` a client would receive, without coordinator notices."""
+    outputs: list[OutputEvent] = []
+    for entry in page:
+        delivery = follower.judge(entry)
+        if delivery is None or not isinstance(delivery.event, OutputEvent):
+            continue
+        if delivery.event.kind is not OutputKind.NOTICE:
+            outputs.append(delivery.event)
     return outputs
 
 
@@ -296,7 +278,7 @@ async def _wait_outputs(
     bus: RedisBus, target: str, expected: int, timeout_s: float, quiet_s: float
 ) -> tuple[list[OutputEvent], bool]:
     """Follow the target's journal until ``expected`` outputs, quiet or timeout."""
-    view = JournalView(target)
+    follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
     start = "-"
@@ -307,7 +289,7 @@ async def _wait_outputs(
         if page:
             start = "(" + page[-1].id
             before = len(outputs)
-            outputs += [out for out in map(view.feed, page) if out is not None]
+            outputs += pipeline_outputs(follower, page)
             if len(outputs) > before:
                 last_growth = time.monotonic()
             continue

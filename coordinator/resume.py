@@ -1,21 +1,29 @@
 """Rebuilding a client's view of a session from its journal, for ``session.resume``.
 
-The journal is replayed from its start through a fresh ``JournalFollower``
-and ``ServerEventTranslator``, exactly as a live reader would have judged and
-framed it; events up to ``last_received_server_event_seq`` only rebuild state,
-the rest are returned for sending. The session's current epoch is applied
-at the resume point, so nothing of an epoch cancelled meanwhile is sent.
+The journal is read from its start, page by page, through a fresh
+``JournalFollower`` and ``ServerEventTranslator``, exactly as a live reader
+would have judged and framed it; events up to ``last_received_server_event_seq``
+only rebuild state, the rest are returned for sending. Before the first entry
+the client has not received, the view's epoch floor is raised to the session's
+current epoch: nothing of an epoch cancelled meanwhile is sent, while an older
+response of the current epoch still owed to the client is. The view learns the
+incarnation from the journal, so a journal trimmed past a failover's barrier
+still resumes (``tests/test_resume.py``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from coordinator.bus import Entry
 from coordinator.output_reader import JournalFollower
 from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator
 from coordinator.service import Coordinator
 from schemas.errors import AuthError, ErrorCode
 from schemas.fence import Fence
+
+PAGE = 512
+"""Journal entries read per round trip."""
 
 
 class Replay(NamedTuple):
@@ -30,31 +38,40 @@ async def replay_journal(
 ) -> Replay:
     bus = coordinator.bus
     sk = bus.keys.session(session_id)
-    meta = await bus.hgetall(sk.meta)
-    if meta.get("status") != "open":
-        raise AuthError(f"session {session_id} is no longer open", ErrorCode.RESUME_FAILED)
     current = await coordinator.authority.current(session_id)
-    follower = JournalFollower(session_id, Fence(session_id, int(meta.get("inc0", "0"))))
-    entries = await bus.xrange(sk.client)
-    first_seq = next((int(e.fields[b"n"]) for e in entries if b"n" in e.fields), None)
+    if (await bus.hmget(sk.meta, ["status"]))[0] != b"open":
+        raise AuthError(f"session {session_id} is no longer open", ErrorCode.RESUME_FAILED)
+    follower = JournalFollower(session_id, Fence(session_id))
+    received = after_seq // SEQ_STRIDE
+    """Journal seq of the last entry the client received (some of) the events of."""
+    events: list[ServerEvent] = []
+    floored = False
+    start = "-"
+    while page := await bus.xrange(sk.client, start, "+", count=PAGE):
+        if start == "-":
+            _check_not_trimmed(page, after_seq)
+        start = "(" + page[-1].id
+        for entry in page:
+            if not floored and int(entry.fields.get(b"n", b"0")) > received:
+                follower.view.raise_epoch_floor(current.epoch)
+                floored = True
+            delivery = follower.judge(entry)
+            if delivery is None:
+                continue
+            for event in translator.translate(delivery.event, delivery.server_event_seq):
+                if event["server_event_seq"] > after_seq:
+                    events.append(event)
+    if not floored:
+        follower.view.raise_epoch_floor(current.epoch)
+    last_seq = events[-1]["server_event_seq"] if events else after_seq
+    return Replay(events, follower, follower.cursor, last_seq)
+
+
+def _check_not_trimmed(first_page: list[Entry], after_seq: int) -> None:
+    """A resume needs every journal entry after the client's last one."""
+    first_seq = next((int(e.fields[b"n"]) for e in first_page if b"n" in e.fields), None)
     if after_seq and first_seq is not None and first_seq > after_seq // SEQ_STRIDE + 1:
         raise AuthError(
             f"the journal no longer holds events after {after_seq} (oldest is {first_seq})",
             ErrorCode.RESUME_FAILED,
         )
-    events: list[ServerEvent] = []
-    crossed = after_seq == 0
-    if crossed:
-        follower.view.advance(current)
-    for entry in entries:
-        delivery = follower.judge(entry)
-        if delivery is None:
-            continue
-        for event in translator.translate(delivery.event, delivery.server_event_seq):
-            if not crossed and event["server_event_seq"] > after_seq:
-                crossed = True
-                follower.view.advance(current)
-            if crossed:
-                events.append(event)
-    last_seq = events[-1]["server_event_seq"] if events else after_seq
-    return Replay(events, follower, follower.cursor, last_seq)

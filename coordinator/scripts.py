@@ -177,13 +177,19 @@ return remember(KEYS[1], {'ok', inc, ep + 1, tu, rs})
 """
 
 # KEYS: meta in ctl out prog (stage_out lease)*
-# ARGV: sid reason now_ms expect_inc(-1: any) ttl_s producer pseq
+# ARGV: sid reason now_ms expect_inc(-1: any) ttl_s idle_before_ms(0: always) producer pseq
+# With idle_before_ms, only a session a client connection attached to once and
+# whose attachment lapsed before that time is closed; otherwise {'attached'}.
 CLOSE = r"""
 local again = replayed(KEYS[1])
 if again then return again end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'att_until')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
+local idle_before = tonumber(ARGV[6])
+if idle_before > 0 and (not m[6] or tonumber(m[6]) >= idle_before) then
+  return {'attached'}
+end
 local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local expect = tonumber(ARGV[4])
 if expect >= 0 and expect ~= inc then return {'mismatch', 'incarnation', inc, ep, tu, rs} end
@@ -339,4 +345,38 @@ if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
 local resp = redis.call('HINCRBY', KEYS[1], 'resp', 1)
 return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), resp})
+"""
+
+# KEYS: meta
+# ARGV: attachment key_digest until_ms check_key(0|1)
+# A client connection becomes the one that serves the session (on open, or on a
+# resume from any coordinator); the connection it replaces learns so at its next
+# HOLD. On open the digest of the API key is recorded; a resume must present the
+# same key. Repeating the call changes nothing more.
+ATTACH = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'key', 'att')
+if m[1] ~= 'open' then return {'closed'} end
+if ARGV[4] == '1' and (m[2] or '') ~= ARGV[2] then return {'forbidden'} end
+redis.call('HSET', KEYS[1], 'key', ARGV[2], 'att', ARGV[1], 'att_until', ARGV[3])
+return {'ok', m[3] or ''}
+"""
+
+# KEYS: meta    ARGV: attachment until_ms
+# Renew a live connection's attachment; 'replaced' when another connection took
+# the session over (the caller then closes its connection).
+HOLD = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'att')
+if m[1] ~= 'open' then return 'closed' end
+if m[2] ~= ARGV[1] then return 'replaced' end
+redis.call('HSET', KEYS[1], 'att_until', ARGV[2])
+return 'ok'
+"""
+
+# KEYS: meta    ARGV: attachment now_ms
+# The connection went away: the resume grace period starts now (if it was still
+# the session's connection).
+DETACH = r"""
+if redis.call('HGET', KEYS[1], 'att') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'att', '', 'att_until', ARGV[2])
+return 1
 """

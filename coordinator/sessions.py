@@ -361,6 +361,11 @@ class FenceView:
         ):
             self.current = fence
 
+    def raise_epoch_floor(self, epoch: int) -> None:
+        """Outputs of epochs below ``epoch`` are stale from now on; nothing else moves
+        (an older response of the current epoch may still be owed)."""
+        self._epoch_floor = max(self._epoch_floor, epoch)
+
     def judge(self, fence: Fence) -> MismatchReason | None:
         current = self.current
         if fence.incarnation > current.incarnation and fence.session_id == current.session_id:

@@ -86,6 +86,10 @@ class Settings(_Model):
     beyond it appends get ``input_backpressure``."""
     resume_grace_s: int = Field(60, ge=0, le=86_400)
     """How long a session without a connection is kept for ``session.resume``."""
+    attach_ttl_ms: int = Field(5000, ge=300, le=600_000)
+    """How long a client connection's hold on its session lasts unrenewed; its
+    coordinator renews it every third of this. When a coordinator dies, its
+    sessions count as detached (the resume grace starts) this long after."""
     first_event_wait_ms: int = Field(300, ge=0, le=10_000)
     """How long a new connection waits for a ``session.resume`` before opening a session."""
 

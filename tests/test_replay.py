@@ -16,13 +16,14 @@ from coordinator.control import (
     replay_job_id,
     run_control,
 )
+from coordinator.output_reader import JournalFollower
 from coordinator.replay import (
-    JournalView,
     ProgressPrinter,
     add_commands,
     compare_outputs,
     compare_sessions,
     pace_delay,
+    pipeline_outputs,
     progress_bar,
     replay_session,
 )
@@ -91,8 +92,8 @@ def _entry(n, event):
     return Entry("j", f"{n}-0", {field: encode_event(event)})
 
 
-def test_journal_view_drops_what_the_reader_drops():
-    view = JournalView("s")
+def test_replay_judges_a_journal_with_the_readers_own_follower():
+    follower = JournalFollower("s", Fence("s"), metrics=False)
     old = Fence("s", 0, 0)
     cancel = ControlEvent(ControlKind.CANCEL, Fence("s", 0, 1), cancelled=old)
     entries = [
@@ -106,7 +107,7 @@ def test_journal_view_drops_what_the_reader_drops():
         _entry(8, _out("c", seq=4, fence=Fence("s", 0, 1))),
     ]
     # The coordinator's notice is no pipeline output: it is never compared.
-    assert [o.text for o in map(view.feed, entries) if o is not None] == ["a", "b", "c"]
+    assert [o.text for o in pipeline_outputs(follower, entries)] == ["a", "b", "c"]
 
 
 def test_pace_delay():
