@@ -4,7 +4,10 @@ Each job is a plain async function of arq's ``ctx`` (callable directly with
 one from ``open_context``); the decisions it makes are small pure functions
 in ``coordinator.control_core``, tested without Redis.
 
-- ``audit_leases`` (cron): an open session whose stage holds no lease is put
+- ``audit_leases`` (cron): an open session whose client connection's hold on it
+  lapsed longer than ``resume_grace_s`` ago is closed (whatever happened to its
+  coordinator; the close script re-checks the hold, so a resume always wins),
+  which ends its stages' leases. An open session whose stage holds no lease is put
   back in front of that stage's workers: its entry in the lease index gets an
   expired score (every live worker's orphan scan sees it) and, while a worker
   of the stage is alive, an assignment ``why=audit`` is queued. Taking it
@@ -46,6 +49,7 @@ from arq.typing import WorkerCoroutine
 from arq.worker import Function, Worker, create_worker, func
 from redis.exceptions import WatchError
 
+from coordinator.authority import SessionAuthority
 from coordinator.bus import RedisBus
 from coordinator.control_core import (
     ControlSchedule,
@@ -86,10 +90,12 @@ class ControlState:
     pipeline: PipelineConfig
     bus: RedisBus
     backoff: RequeueBackoff = field(init=False)
+    authority: SessionAuthority = field(init=False)
 
     def __post_init__(self) -> None:
         base = max(self.settings.assign_claim_idle_ms, 1000)
         self.backoff = RequeueBackoff(base, max(base, 60_000))
+        self.authority = SessionAuthority(self.bus, self.pipeline)
 
     @property
     def keys(self) -> Keys:
@@ -137,20 +143,31 @@ async def audit_leases(ctx: dict[str, Any]) -> dict[str, int]:
     stages = state.pipeline.stage_names
     live = {stage: await _live_workers(state, stage, now) > 0 for stage in stages}
     counts: Counter[str] = Counter()
+    grace_ms = state.settings.resume_grace_s * 1000
     async for session_id, indexed_ms in state.sessions():
         sk = state.keys.session(session_id)
         async with state.bus.client.pipeline(transaction=False) as pipe:
-            pipe.hget(sk.meta, "status")
+            pipe.hmget(sk.meta, ["status", "att_until"])
             for stage in stages:
                 pipe.exists(sk.lease(stage))
-            raw_status, *held = await pipe.execute()
+            (raw_status, raw_until), *held = await pipe.execute()
         status = raw_status.decode() if raw_status is not None else None
         leased = dict(zip(stages, map(bool, held), strict=True))
-        plan = plan_audit(status, leased, now - indexed_ms)
+        detached = now - int(raw_until) if raw_until else None
+        plan = plan_audit(status, leased, now - indexed_ms, detached, grace_ms)
         if plan.forget:
             await state.bus.client.zrem(state.keys.sessions, session_id)
             state.backoff.clear(session_id)
             counts["forgotten"] += 1
+            continue
+        if plan.close:
+            closed = await state.authority.close_detached(
+                session_id, idle_before_ms=now - grace_ms, reason="detached",
+                ttl_s=state.settings.closed_ttl_s,
+            )  # fmt: skip
+            if closed is not None:
+                log.info("closed session %s: its client left %d ms ago", session_id, detached)
+                counts["closed"] += 1
             continue
         for stage in (s for s, ok in leased.items() if ok):
             state.backoff.clear(session_id, stage)

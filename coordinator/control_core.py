@@ -7,8 +7,9 @@ can be tested on plain values:
   (``safe_min_id``), where the retention floor lies while walking a stream
   (``floor_in_page``), who consumes which stream (``stream_consumers``), how far
   an assignment stream's consumer group lets it go (``group_floor``);
-- the lease audit: what to do for one indexed session (``plan_audit``), and
-  how often to re-offer one nobody takes (``RequeueBackoff``);
+- the lease audit: what to do for one indexed session (``plan_audit``: re-offer
+  stages nobody holds, close a session whose client is gone for longer than the
+  resume grace), and how often to re-offer one nobody takes (``RequeueBackoff``);
 - expiry: which sessions' keys must expire (``needs_expiry``), and whose key a
   key is (``session_of_key``);
 - how often the periodic jobs run (``ControlSchedule``).
@@ -96,12 +97,23 @@ class AuditPlan:
     """Drop the id from the sessions index (closed, or its meta is gone)."""
     requeue: tuple[str, ...] = ()
     """Stages whose lease is absent: offer the session to their workers again."""
+    close: bool = False
+    """Its client connection went away longer ago than the resume grace: close it."""
 
 
-def plan_audit(status: str | None, leased: Mapping[str, bool], age_ms: int) -> AuditPlan:
-    """Decide for one session from its meta status, its stages' leases and how
-    long it has been indexed."""
+def plan_audit(
+    status: str | None,
+    leased: Mapping[str, bool],
+    age_ms: int,
+    detached_ms: int | None = None,
+    grace_ms: int = 0,
+) -> AuditPlan:
+    """Decide for one session from its meta status, its stages' leases, how long it
+    has been indexed and how long ago its client connection's hold lapsed
+    (``detached_ms``; None for a session no client connection ever held)."""
     if status == "open":
+        if detached_ms is not None and detached_ms > grace_ms:
+            return AuditPlan(close=True)
         return AuditPlan(requeue=tuple(stage for stage, held in leased.items() if not held))
     if status is None and age_ms < FORGET_GRACE_MS:
         return AuditPlan()  # being opened right now

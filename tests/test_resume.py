@@ -1,0 +1,223 @@
+"""Resume: one connection serves a session, the journal is judged once, clients who
+left are closed for good.
+
+The journal cases build a session's journal with the real scripts, step by
+step, then resume it; the connection cases drive two sockets (on one or two
+coordinators) at the same session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import websockets
+
+from coordinator.attachments import Attachments
+from coordinator.control import audit_leases, close_context, open_context
+from coordinator.realtime import SEQ_STRIDE, ServerEventTranslator
+from coordinator.resume import replay_journal
+from coordinator.service import Coordinator
+from schemas.config import echo_pipeline
+from schemas.events import OutputEvent, OutputKind
+from schemas.fence import Fence
+from tests.pipeline_helpers import fast_settings, running_worker
+from tests.realtime_helpers import Client, serving, text_turn, until_completed
+from workers.ownership import Lease, StageOwnership
+
+pytestmark = pytest.mark.timeout(60)
+
+ECHO = echo_pipeline("echo")
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    return fast_settings(
+        redis_server.url,
+        key_prefix,
+        api_keys=("k1", "k2"),
+        first_event_wait_ms=50,
+        resume_grace_s=1,
+        attach_ttl_ms=600,
+    )
+
+
+# -- one connection per session ------------------------------------------------------
+
+
+async def resume(client: Client, token: str, last: int = 0) -> dict:
+    await client.send(
+        {"type": "session.resume", "resume_token": token, "last_received_server_event_seq": last}
+    )
+    return await client.recv()
+
+
+async def closed_with(client: Client) -> int | None:
+    """Wait for the server to close ``client``'s socket; its close code."""
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async with asyncio.timeout(10):
+            while True:
+                await client.recv(10)
+    return client.ws.close_code
+
+
+@contextlib.asynccontextmanager
+async def two_coordinators(settings, *, same: bool) -> AsyncIterator[tuple[str, str]]:
+    async with serving(settings, ECHO) as first:
+        if same:
+            yield first, first
+        else:
+            async with serving(settings, ECHO) as second:
+                yield first, second
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same coordinator", "another coordinator"])
+async def test_a_resume_while_the_old_socket_is_open_replaces_it(settings, same):
+    """Cause: the old socket's clean-up removed the new connection's queue and its
+    grace timer then closed the live session."""
+    async with (
+        two_coordinators(settings, same=same) as (base_a, base_b),
+        running_worker(settings, ECHO, "echo"),
+        Client.connect(base_a) as old,
+    ):
+        created = await old.recv()
+        async with Client.connect(base_b) as new:
+            assert (await resume(new, created["resume_token"]))["type"] == "session.resumed"
+            assert await closed_with(old) == 4000
+            # Longer than the grace period after the old socket went: still served.
+            await asyncio.sleep(settings.resume_grace_s + 1)
+            for event in text_turn("still here"):
+                await new.send(event)
+            events = await until_completed(new)
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "still here"
+
+
+async def test_the_resume_token_rotates_and_is_bound_to_the_api_key(settings):
+    async with serving(settings, ECHO) as base:
+        async with Client.connect(base, key="k1") as first:
+            token = (await first.recv())["resume_token"]
+        async with Client.connect(base, key="k2") as thief:
+            refused = await resume(thief, token)
+        assert refused["error"]["code"] == "resume_failed"
+        async with Client.connect(base, key="k1") as second:
+            resumed = await resume(second, token)
+        assert resumed["type"] == "session.resumed" and resumed["resume_token"] != token
+        async with Client.connect(base, key="k1") as replayer:
+            assert (await resume(replayer, token))["error"]["code"] == "resume_failed"
+        async with Client.connect(base, key="k1") as third:
+            assert (await resume(third, resumed["resume_token"]))["type"] == "session.resumed"
+
+
+# -- the client whose coordinator died -------------------------------------------------
+
+
+async def test_the_control_plane_closes_a_session_whose_client_is_gone(settings):
+    """Cause: the grace timer lived only in the coordinator's process; after a crash
+    the session stayed open for ever, leasing every stage."""
+    coordinator = Coordinator(settings, ECHO)
+    ctx = await open_context(settings, ECHO)
+    attachments = Attachments(coordinator.bus, settings.attach_ttl_ms)
+    try:
+        for sid in ("gone", "held", "api"):
+            await coordinator.open(sid)
+        now = time.time_ns() // 1_000_000
+        # "gone": its coordinator died 2 s ago (the hold was never renewed after).
+        await attachments.attach("gone", "a1", "", now - 2000 - settings.attach_ttl_ms,
+                                 resume=False)  # fmt: skip
+        # "held": a live coordinator holds it.
+        await attachments.attach("held", "a2", "", now, resume=False)
+        # "api": opened through the API with no client connection: not ours to close.
+        counts = await audit_leases(ctx)
+        status = {
+            sid: (await coordinator.authority.status(sid))["status"]
+            for sid in ("gone", "held", "api")
+        }
+        assert status == {"gone": "closed", "held": "open", "api": "open"}
+        assert counts.get("closed") == 1
+    finally:
+        await close_context(ctx)
+        await coordinator.aclose()
+
+
+# -- the journal judge -------------------------------------------------------------------
+
+
+class JournalBuilder:
+    """Writes a session's journal through the real scripts, as a client-facing stage."""
+
+    def __init__(self, coordinator: Coordinator, sid: str) -> None:
+        self.coordinator = coordinator
+        self.sid = sid
+        self.ownership = StageOwnership(coordinator.bus, ECHO, "echo", "w1", 60_000)
+        self.lease: Lease | None = None
+        self.seq = 0
+
+    async def acquire(self) -> Fence:
+        if self.lease is not None:
+            await self.ownership.release(self.lease, hand_back=False)
+        _, self.lease = await self.ownership.acquire(self.sid, 0)
+        assert self.lease is not None
+        return self.lease.fence
+
+    async def delta(self, text: str, fence: Fence) -> None:
+        assert self.lease is not None
+        self.seq += 1
+        out = OutputEvent(fence, "echo", OutputKind.TEXT_DELTA, self.seq, text=text)
+        result = await self.ownership.publish(
+            self.lease, [(fence, [out])], applied_seq=0, read_id="0-0", out_seq=self.seq
+        )
+        assert result.status.value == "ok", result
+
+
+async def resumed_deltas(coordinator: Coordinator, sid: str, after_seq: int) -> list[str]:
+    replay = await replay_journal(coordinator, sid, after_seq, ServerEventTranslator(["echo"]))
+    return [e["delta"] for e in replay.events if e["type"] == "response.output_text.delta"]
+
+
+async def test_a_resume_sends_nothing_cancelled_and_everything_still_owed(settings):
+    """Cause: the epoch floor moved after the first resent event (a delta of a
+    cancelled response came after its cancel), and the move to the current response
+    dropped an older response of the current epoch still owed."""
+    coordinator = Coordinator(settings, ECHO)
+    journal = JournalBuilder(coordinator, "s1")
+    auth = coordinator.authority
+    try:
+        await auth.open("s1")
+        await journal.acquire()
+        first = await auth.reserve_response("s1")
+        await journal.delta("a", first)  # the client received this one (journal seq 1)
+        await journal.delta("b", first)  # not received; its epoch is cancelled below
+        cancel = await auth.cancel("s1")
+        second = await auth.reserve_response("s1")
+        await journal.delta("x", second)  # owed
+        third = await auth.reserve_response("s1")
+        await journal.delta("y", third)  # owed
+        assert cancel.fence.epoch == 1
+        received = 1 * SEQ_STRIDE + 1  # response.created, then the delta "a"
+        assert await resumed_deltas(coordinator, "s1", received) == ["x", "y"]
+        assert await resumed_deltas(coordinator, "s1", 0) == ["x", "y"]
+    finally:
+        await coordinator.aclose()
+
+
+async def test_a_resume_after_the_journal_was_trimmed_past_a_failover(settings):
+    """Cause: the judge started at the session's first incarnation and, with the
+    failover's barrier trimmed away, refused every output after it."""
+    coordinator = Coordinator(settings, ECHO)
+    journal = JournalBuilder(coordinator, "s1")
+    try:
+        await coordinator.authority.open("s1")
+        await journal.delta("a", await journal.acquire())
+        heir = await journal.acquire()  # the stage changed hands: incarnation 1
+        assert heir.incarnation == 1
+        await journal.delta("b", heir)
+        sk = coordinator.bus.keys.session("s1")
+        entries = await coordinator.bus.xrange(sk.client)
+        await coordinator.bus.trim_before(sk.client, entries[-1].id)  # only "b" is left
+        assert await resumed_deltas(coordinator, "s1", 1 * SEQ_STRIDE + 1) == ["b"]
+    finally:
+        await coordinator.aclose()
