@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -47,6 +48,8 @@ from arq.connections import RedisSettings, create_pool
 from arq.cron import CronJob, cron
 from arq.typing import WorkerCoroutine
 from arq.worker import Function, Worker, create_worker, func
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from coordinator.authority import SessionAuthority
@@ -407,32 +410,46 @@ async def run_control(
     schedule: ControlSchedule | None = None,
 ) -> Worker:
     """Run the control plane's arq worker until a signal (or, in burst mode,
-    until the queue is empty); returns the worker for its counters."""
+    until the queue is empty); returns the worker for its counters.
+
+    Losing Redis is a pause, not an end: arq's worker stops on a connection
+    error, so a new one is started once Redis answers again
+    (``tests/test_control.py``)."""
     cls = worker_settings(settings, pipeline, burst=burst, schedule=schedule)
-    worker = create_worker(dict(vars(cls)), burst=burst, handle_signals=handle_signals)
-    try:
-        await worker.async_run()
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        # arq's signal handler cancelled its main task: the normal way to stop.
-    finally:
-        await _shutdown(worker)
-    return worker
+    pause_s = 0.2
+    while True:
+        worker = create_worker(dict(vars(cls)), burst=burst, handle_signals=handle_signals)
+        try:
+            await worker.async_run()
+            return worker
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # arq's signal handler cancelled its main task: the normal way to stop.
+            return worker
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            log.warning("control plane lost Redis (%s); reconnecting in %.1f s", exc, pause_s)
+        finally:
+            await _shutdown(worker)
+        await asyncio.sleep(pause_s)
+        pause_s = min(pause_s * 2, 5.0)
 
 
 async def _shutdown(worker: Worker) -> None:
-    """arq's ``Worker.close`` uses a deprecated redis call; this does its work."""
+    """arq's ``Worker.close`` uses a deprecated redis call; this does its work (Redis
+    may be unreachable: what needs it is skipped)."""
     for task in worker.tasks.values():
         task.cancel()
     await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
     pool = getattr(worker, "_pool", None)
     if pool is None:
         return
-    await pool.delete(worker.health_check_key)
+    with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+        await pool.delete(worker.health_check_key)
     await close_context(worker.ctx)
-    await pool.aclose()
+    with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+        await pool.aclose()
 
 
 async def enqueue_replay(

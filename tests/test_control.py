@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -39,6 +40,7 @@ from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import ControlKind, TextPayload, decode_control, decode_input
 from schemas.keys import ASSIGN_GROUP
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
+from tests.redis_server import RedisServer
 
 ECHO = echo_pipeline("echo")
 
@@ -437,3 +439,33 @@ async def test_burst_runs_each_periodic_job_once(settings, coordinator):
     assert all([await bus.client.ttl(key) > 0 for key in keys])
     assert await bus.client.zcard(queue_name(settings)) == 0
     assert (await SessionAuthority(bus, ECHO).status("s1"))["status"] == "closed"
+
+
+async def test_the_control_plane_outlives_a_redis_restart(tmp_path):
+    """Cause: arq's worker ends on its first connection error, and so did the control
+    plane, for good."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    settings = fast_settings(server.url, "cp", lease_ttl_ms=1000)
+    schedule = ControlSchedule(audit_every_s=1)
+    control = asyncio.create_task(run_control(settings, ECHO, handle_signals=False,
+                                              schedule=schedule))  # fmt: skip
+    coordinator = Coordinator(settings, ECHO)
+    try:
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(server.restart)  # kill -9, then start on its AOF
+        await asyncio.sleep(1)
+        assert not control.done(), control
+        # The restarted control plane still does its work: an unowned session is
+        # put in the lease index by the next audit.
+        await coordinator.open("orphan")
+        index = coordinator.bus.keys.lease_index("echo")
+        async with asyncio.timeout(20):
+            while await coordinator.bus.client.zscore(index, "orphan") is None:
+                await asyncio.sleep(0.1)
+    finally:
+        control.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await control
+        await coordinator.aclose()
+        server.stop()
