@@ -143,6 +143,13 @@ class RedisBus:
         reply = await self.client.xrange(stream, min=start, max=end, count=count)
         return [Entry(stream, _text(entry_id), dict(fields or {})) for entry_id, fields in reply]
 
+    async def xrevrange(
+        self, stream: str, end: str = "+", start: str = "-", count: int | None = None
+    ) -> list[Entry]:
+        """Entries from ``end`` back to ``start``, newest first."""
+        reply = await self.client.xrevrange(stream, max=end, min=start, count=count)
+        return [Entry(stream, _text(entry_id), dict(fields or {})) for entry_id, fields in reply]
+
     async def ensure_group(self, stream: str, group: str) -> None:
         """Create ``group`` on ``stream`` (and the stream) unless it exists."""
         try:

@@ -407,7 +407,8 @@ class Connection:
         elif isinstance(event, ItemCreate):
             text = "".join(part.text for part in event.item.content)
             receipt = await self._append(InputMode.APPEND_TEXT, TextPayload(text))
-            await self._notice("conversation.item.created", item={"id": f"item_{receipt}"})
+            item = {"id": f"item_{receipt}", **event.item.model_dump(mode="json")}
+            await self._notice("conversation.item.created", item=item)
         elif isinstance(event, AudioCommit | ResponseCreate):
             await self._commit(announce=isinstance(event, AudioCommit))
         elif isinstance(event, AudioClear):

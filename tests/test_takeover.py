@@ -11,9 +11,10 @@ import asyncio
 import pytest
 
 from coordinator.service import Coordinator
-from schemas.config import echo_pipeline
+from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import TextPayload
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
+from workers.backends.echo import EchoBackend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,5 +59,48 @@ async def test_downstream_failover_consumes_what_upstream_published_before_it(se
         assert [(o.stage, o.text) for o in got] == [("talker", f"w{i}") for i in range(3)]
         assert got[-1].fence.incarnation == 1
         assert coordinator.reader.dropped.total() == 0
+    finally:
+        await coordinator.aclose()
+
+
+class StallingEcho(EchoBackend):
+    """Streams its answer in chunks and never gets past the second one: a worker that
+    dies mid-answer, after two chunks reached the client."""
+
+    def __init__(self) -> None:
+        super().__init__({"chunks": 4})
+        self.stuck = asyncio.Event()
+
+    async def handle(self, ctx, event):
+        count = 0
+        async for draft in super().handle(ctx, event):
+            if count == 2:
+                self.stuck.set()
+                await asyncio.Event().wait()
+            count += 1
+            yield draft
+
+
+async def test_a_new_owner_does_not_publish_again_what_its_predecessor_streamed(settings):
+    """Cause: chunks published before a crash (streamed without progress) were
+    produced and delivered again by the new owner."""
+    pipeline = PipelineConfig(
+        name="stream", stages=(StageConfig(name="talker", to_client=True,
+                                           options={"chunks": 4}),)
+    )  # fmt: skip
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        await coordinator.open("s1")
+        await coordinator.append("s1", "append_text", TextPayload("abcdefgh"))
+        stalling = StallingEcho()
+        async with running_worker(settings, pipeline, "talker", backend=stalling):
+            await asyncio.wait_for(stalling.stuck.wait(), 20)
+            first = outputs_of(await collect(coordinator, 2))
+        # The first owner went mid-answer; the next one answers the same input.
+        async with running_worker(settings, pipeline, "talker"):
+            rest = outputs_of(await collect(coordinator, 2))
+            late = outputs_of(await coordinator.outputs(block_ms=300))
+        assert [o.text for o in first + rest + late] == ["ab", "cd", "ef", "gh"]
+        assert rest[0].fence.incarnation == 1
     finally:
         await coordinator.aclose()

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from enum import Enum, auto
 
 import msgspec
@@ -109,8 +110,12 @@ class SessionActor:
         ownership: StageOwnership,
         backend: StageBackend,
         ctx: StageContext,
+        published: Mapping[int, int] | None = None,
     ) -> None:
         self.lease = lease
+        self._published_before = dict(published or {})
+        """Input seq -> drafts a previous owner published for it before it died (see
+        ``workers.rebuild``): that many of the answer's first drafts are dropped."""
         self.ownership = ownership
         self.backend = backend
         self.ctx = ctx
@@ -273,6 +278,9 @@ class SessionActor:
         while (draft := await drafts.get()) is not None:
             if not self.active or self.ctx.fence.epoch > fence.epoch:
                 continue  # released while queued: never published
+            if self._published_before.get(event.seq, 0) > 0:
+                self._published_before[event.seq] -= 1
+                continue  # the previous owner published this one before it died
             self._stage(draft, fence, event.seq)
             if draft.flush:
                 await self._flush(progress=False)

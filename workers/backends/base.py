@@ -6,6 +6,7 @@ was already applied. A backend only
 
 - ``start``s a session, optionally rebuilding its state from the session's
   recorded inputs and the outputs this stage already published (failover),
+  as much of them as its ``rebuild`` window asks for,
 - ``handle``s one event, yielding drafts as they are ready (a streaming model
   yields one per step; a ``flush`` draft is published at once),
 - ``absorb``s an event that arrived before an interruption (context only,
@@ -69,6 +70,20 @@ StageEvent = InputEvent | OutputEvent
 """What a stage consumes: the session log, or an upstream stage's outputs."""
 
 
+@dataclass(frozen=True, slots=True)
+class RebuildWindow:
+    """How much history a backend needs to rebuild a session (None: all of it)."""
+
+    inputs: int | None = None
+    """The newest applied inputs."""
+    outputs: int | None = None
+    """The newest outputs this stage published."""
+
+
+ALL_HISTORY = RebuildWindow()
+NO_HISTORY = RebuildWindow(inputs=0, outputs=0)
+
+
 class StageBackend(Protocol):
     """What the worker runtime needs from a stage backend."""
 
@@ -81,6 +96,8 @@ class StageBackend(Protocol):
     """True when outputs belong to the response being produced (a thinker, a TTS):
     a newer response supersedes them. False when they describe the input (VAD, ASR,
     echo): a response reserved meanwhile moves them to the current fence instead."""
+    rebuild: RebuildWindow
+    """How much of the session's history ``start`` needs after a takeover."""
 
     async def start(
         self,

@@ -12,8 +12,7 @@ model's; but echo's outputs describe their input rather than a response, so a
 response reserved meanwhile does not make them stale (``follows_responses``).
 
 Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0).
-``start`` records how many inputs and outputs a rebuild saw, so tests can
-check that a failover replayed the log.
+Echo keeps no state between events, so a takeover reads no history.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from schemas.events import (
     VideoPayload,
 )
 from schemas.fence import Fence
-from workers.backends.base import OutputDraft, StageContext, StageEvent
+from workers.backends.base import NO_HISTORY, OutputDraft, StageContext, StageEvent
 
 
 def _int_option(options: Mapping[str, Any], name: str, default: int, high: int) -> int:
@@ -57,6 +56,8 @@ class EchoBackend:
     follows_responses = False
     """Echo answers each input as it comes; a response reserved meanwhile does not
     make those answers stale."""
+    rebuild = NO_HISTORY
+    """Nothing to rebuild: every event is answered on its own."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = options or {}
@@ -69,8 +70,7 @@ class EchoBackend:
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
     ) -> None:
-        ctx.state["rebuilt_inputs"] = len(inputs)
-        ctx.state["rebuilt_outputs"] = len(outputs)
+        return None
 
     def _answer(self, event: StageEvent) -> tuple[OutputKind, Any] | None:
         if isinstance(event, OutputEvent):

@@ -75,7 +75,7 @@ from workers.adapters.base import OutputChunk
 from workers.adapters.mage_vl import MageVLAdapter
 from workers.adapters.mage_vl_types import GateDecision, VisualWindow
 from workers.adapters.runtime import AdapterRuntime, OutputSink
-from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import ALL_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
 from workers.backends.mage_vl_core import (
     Kind,
     MageVLOptions,
@@ -157,6 +157,7 @@ class MageVLStage:
     """Frames and text accepted before a barge-in are absorbed: context, no answer."""
     follows_responses = True
     """Outputs are responses (answers, remarks): a newer response supersedes them."""
+    rebuild = ALL_HISTORY
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from schemas.events import CommitPayload, InputEvent, OutputEvent, OutputKind, TextPayload
 from schemas.fence import Fence
 from workers.backends.audio import Samples, StreamResampler, WavStream, encode_pcm
-from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import NO_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
 
 _STATE_KEY = "tts"
 _READ_BYTES = 8192
@@ -142,6 +142,8 @@ class TtsBackend:
     continuous_input = False
     follows_responses = True
     """The speech belongs to the response being spoken; a newer one supersedes it."""
+    rebuild = NO_HISTORY
+    """Nothing to rebuild: every event is answered on its own."""
 
     def __init__(
         self,

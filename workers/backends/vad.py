@@ -73,7 +73,7 @@ from workers.backends.audio import (
     decode_pcm,
     encode_pcm,
 )
-from workers.backends.base import OutputDraft, StageContext, StageEvent
+from workers.backends.base import OutputDraft, RebuildWindow, StageContext, StageEvent
 
 RATE = 16_000
 WINDOW = 512
@@ -253,6 +253,10 @@ class VadBackend:
         except ValidationError as exc:
             raise ValueError(f"invalid vad stage options: {exc}") from exc
         self._model: SileroModel | None = None
+        # A takeover rebuilds from the audio since the last turn end, which is cut at
+        # max_segment_s: that many seconds of 10 ms chunks (and outputs) bound it.
+        window = int((self.options.max_segment_s + 1) * 100)
+        self.rebuild = RebuildWindow(inputs=window, outputs=window)
 
     @property
     def model(self) -> SileroModel:

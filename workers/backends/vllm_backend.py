@@ -56,7 +56,7 @@ from typing import Any
 from coordinator.request_ids import make_request_id
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
-from workers.backends.base import BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import ALL_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import SamplingSpec, VllmEngine
 from workers.backends.vllm_history import (
@@ -115,6 +115,7 @@ class VllmBackend:
     """Inputs accepted before a barge-in only join the context (``absorb``)."""
     follows_responses = True
     """Outputs are a response: a newer response supersedes them."""
+    rebuild = ALL_HISTORY
 
     def __init__(
         self,

@@ -1,0 +1,194 @@
+"""``python -m chaos``: run the nemesis suite and write its report.
+
+    python -m chaos --ci                       # the short seeded run CI asserts on
+    python -m chaos --seed 7 --duration 600    # a long run
+    python -m chaos --faults kill_worker,kill_redis --clients 40
+
+The report (JSON, plus a Markdown table beside it) has, per client and in
+total, what the checker counted, the recovery time of each fault class, the
+faults struck and what the clients did. The exit code is 0 only when lost,
+stale, duplicated, out-of-order, dead and stalled are all zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from chaos.checker import COUNTS, Verdict, check, summarize
+from chaos.client import ChaosClient, ClientConfig
+from chaos.cluster import Cluster
+from chaos.nemesis import FAULTS, Nemesis
+from coordinator.bus import RedisBus
+from schemas.config import PipelineConfig, StageConfig
+from schemas.keys import Keys
+
+CI = {"seed": 1, "duration": 75.0, "clients": 20, "coordinators": 2, "workers": 2}
+"""The CI mode: a couple of minutes, every fault class, every count asserted."""
+
+
+def nemesis_pipeline() -> PipelineConfig:
+    """Two chained stages; the talker answers each input in four deltas."""
+    return PipelineConfig(
+        name="nemesis",
+        stages=(
+            StageConfig(name="thinker", backend="echo"),
+            StageConfig(name="talker", backend="echo", input="thinker", to_client=True,
+                        options={"chunks": 4, "step_ms": 25}),
+        ),
+    )  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--ci", action="store_true", help="the short seeded CI run")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of faults")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--coordinators", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3, help="workers per stage")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="fault classes, comma-separated")
+    parser.add_argument("--stall-s", type=float, default=20.0)
+    parser.add_argument("--workdir", type=Path, help="logs and Redis data (default: a temp dir)")
+    parser.add_argument("--report", type=Path, help="report path (default: WORKDIR/report.json)")
+    args = parser.parse_args(argv)
+    if args.ci:
+        for name, value in CI.items():
+            setattr(args, name, value)
+    unknown = set(args.faults.split(",")) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown fault classes {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    return args
+
+
+async def wait_for_workers(cluster: Cluster, within_s: float = 120) -> None:
+    bus = RedisBus(cluster.settings.redis_url, Keys(cluster.settings.key_prefix))
+    try:
+        deadline = time.monotonic() + within_s
+        for stage in cluster.pipeline.stage_names:
+            while await bus.client.zcard(bus.keys.workers(stage)) < cluster.workers_per_stage:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stage {stage} has no workers after {within_s} s")
+                await asyncio.sleep(0.2)
+    finally:
+        await bus.aclose()
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    cluster = Cluster(workdir, nemesis_pipeline(), coordinators=args.coordinators,
+                      workers_per_stage=args.workers)  # fmt: skip
+    await asyncio.to_thread(cluster.start)
+    try:
+        await wait_for_workers(cluster)
+        started = time.monotonic()
+        config = ClientConfig(api_key=cluster.api_key)
+        clients = [
+            ChaosClient(i, random.Random(rng.random()), cluster.endpoints, config, started)
+            for i in range(args.clients)
+        ]
+        nemesis = Nemesis(cluster, clients, random.Random(rng.random()), started,
+                          faults=args.faults.split(","))  # fmt: skip
+        stop_clients, stop_faults = asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]
+        await asyncio.sleep(3)  # every client's session is up before the first fault
+        faults = asyncio.create_task(nemesis.run(stop_faults))
+        await asyncio.sleep(args.duration)
+        stop_faults.set()
+        await faults
+        await nemesis.heal()
+        stop_clients.set()  # each client finishes the input it is on, then stops
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - started
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    verdict = check([c.history for c in clients], nemesis.log, stall_s=args.stall_s)
+    return report(args, verdict, clients, nemesis, elapsed)
+
+
+def report(
+    args: argparse.Namespace,
+    verdict: Verdict,
+    clients: list[ChaosClient],
+    nemesis: Nemesis,
+    elapsed: float,
+) -> dict[str, Any]:
+    ops = summarize(op for c in clients for op in c.history.ops)
+    return {
+        "ok": verdict.ok,
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "elapsed_s": round(elapsed, 1),
+        "clients": args.clients,
+        "coordinators": args.coordinators,
+        "workers_per_stage": args.workers,
+        "totals": dict(verdict.totals),
+        "recovery": verdict.recovery_summary(),
+        "faults": {kind: sum(f.kind == kind for f in nemesis.log) for kind in FAULTS},
+        "operations": dict(ops),
+        "per_client": [
+            {
+                "client": r.client,
+                **{name: r.counts[name] for name in COUNTS},
+                "examples": r.examples,
+            }
+            for r in verdict.clients
+        ],
+        "fault_log": [
+            {"t": round(f.t, 3), "kind": f.kind, "target": f.target} for f in nemesis.log
+        ],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    totals = result["totals"]
+    lines = [
+        f"seed {result['seed']}, {result['duration_s']:.0f} s of faults, {result['clients']} "
+        f"clients, {result['coordinators']} coordinators, {result['workers_per_stage']} "
+        f"workers per stage: **{'PASS' if result['ok'] else 'FAIL'}**",
+        "",
+        "| " + " | ".join(COUNTS) + " |",
+        "|" + "---|" * len(COUNTS),
+        "| " + " | ".join(str(totals[name]) for name in COUNTS) + " |",
+        "",
+        "| fault | count | recovery p50 (s) | recovery max (s) |",
+        "|---|---|---|---|",
+    ]
+    for kind, count in result["faults"].items():
+        rec = result["recovery"].get(kind, {})
+        lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} |")
+    ops = result["operations"]
+    lines += [
+        "",
+        f"inputs sent {ops.get('send', 0)}, acknowledged {ops.get('ack', 0)}, answer blocks "
+        f"{ops.get('block', 0)}, cancels {ops.get('cancel_sent', 0)}, sockets dropped "
+        f"{ops.get('drop', 0)}, resumes {ops.get('resume', 0)}, errors {ops.get('error', 0)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="duplexq-nemesis-"))
+    result = asyncio.run(run(args, workdir))
+    path = args.report or workdir / "report.json"
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"report: {path} (logs in {workdir}/logs)")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

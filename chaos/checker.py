@@ -1,0 +1,196 @@
+"""The checker: what must hold, judged from the clients' histories alone (pure).
+
+Per client:
+
+- **lost**: an acknowledged attempt, not cancelled before its answer was
+  complete, some of whose four blocks never arrived;
+- **stale**: a block delivered after the client received a cancel
+  acknowledgement (``response.cancelled``) for a later epoch than the block's;
+- **duplicated**: a block delivered more than once;
+- **out of order**: a block delivered after a block that comes later (a later
+  position of the same attempt, or any block of a later attempt);
+- **dead**: the session could not go on (a resume refused, the session closed);
+- **stalled**: an owed answer that made no progress for longer than
+  ``stall_s`` (it may have arrived in the end; a lost one counts as lost).
+
+Recovery of a fault: for every client that was waiting for an owed answer when
+the fault struck, the time until its next block; the fault's recovery is the
+longest of those. Reported per fault class (median and max).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from chaos.history import BLOCKS, Attempt, History, Op
+
+COUNTS = ("lost", "stale", "duplicated", "out_of_order", "dead", "stalled")
+"""What must be zero."""
+
+
+@dataclass(slots=True)
+class ClientResult:
+    client: int
+    counts: Counter[str] = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def note(self, what: str, example: str) -> None:
+        self.counts[what] += 1
+        if len(self.examples) < 10:
+            self.examples.append(f"{what}: {example}")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    t: float
+    kind: str
+    target: str = ""
+
+
+@dataclass(slots=True)
+class Verdict:
+    clients: list[ClientResult]
+    recovery: dict[str, list[float]]
+    """Fault class -> recovery time (s) of each fault of that class that hit a client."""
+
+    @property
+    def totals(self) -> Counter[str]:
+        total: Counter[str] = Counter({name: 0 for name in COUNTS})
+        for client in self.clients:
+            total.update(client.counts)
+        return total
+
+    @property
+    def ok(self) -> bool:
+        totals = self.totals
+        return all(totals[name] == 0 for name in COUNTS)
+
+    def recovery_summary(self) -> dict[str, dict[str, float | int]]:
+        summary: dict[str, dict[str, float | int]] = {}
+        for kind, times in sorted(self.recovery.items()):
+            summary[kind] = {
+                "faults": len(times),
+                "p50_s": round(statistics.median(times), 3) if times else 0.0,
+                "max_s": round(max(times), 3) if times else 0.0,
+            }
+        return summary
+
+
+def check(
+    histories: Sequence[History], faults: Iterable[Fault] = (), *, stall_s: float = 20.0
+) -> Verdict:
+    results = [_check_client(h, stall_s) for h in histories]
+    return Verdict(results, _recovery(histories, list(faults)))
+
+
+class _ClientCheck:
+    """Walks one client's history in order, noting what must not happen."""
+
+    def __init__(self, history: History) -> None:
+        self.result = ClientResult(history.client)
+        self.cancel_epoch = -1
+        self.seen: Counter[tuple[Attempt, int]] = Counter()
+        self.last_block: tuple[Attempt, int] | None = None
+        self.acked: set[Attempt] = set()
+        self.sent_at: dict[Attempt, float] = {}
+        self.cancelled: set[Attempt] = set()
+        self.arrivals: dict[Attempt, list[float]] = {}
+        self.outstanding: Attempt | None = None
+
+    def op(self, op: Op) -> None:
+        if op.kind == "send" and op.attempt is not None:
+            self.outstanding = op.attempt
+            self.sent_at[op.attempt] = op.t
+        elif op.kind == "ack" and op.attempt is not None:
+            self.acked.add(op.attempt)
+        elif op.kind == "cancelled":
+            self.cancel_epoch = max(self.cancel_epoch, op.epoch)
+            out = self.outstanding
+            if out is not None and len(self.arrivals.get(out, ())) < BLOCKS:
+                self.cancelled.add(out)
+        elif op.kind == "dead":
+            self.result.note("dead", op.detail)
+        elif op.kind == "block" and op.attempt is not None:
+            self.block(op, op.attempt)
+
+    def block(self, op: Op, attempt: Attempt) -> None:
+        key = (attempt, op.block)
+        self.seen[key] += 1
+        if self.seen[key] > 1:
+            self.result.note("duplicated", f"{key} at {op.t:.2f}s")
+            return
+        if op.epoch < self.cancel_epoch:
+            self.result.note("stale", f"{key} of epoch {op.epoch} after cancel {self.cancel_epoch}")
+        if self.last_block is not None and key < self.last_block:
+            self.result.note("out_of_order", f"{key} after {self.last_block}")
+        self.last_block = key if self.last_block is None else max(key, self.last_block)
+        self.arrivals.setdefault(attempt, []).append(op.t)
+
+    def owed(self, stall_s: float) -> None:
+        """Every acknowledged answer not cancelled must be complete, without long stalls."""
+        for attempt in sorted(self.acked - self.cancelled):
+            got = self.arrivals.get(attempt, [])
+            if len(got) < BLOCKS:
+                self.result.note("lost", f"{attempt} ({len(got)} of {BLOCKS} blocks)")
+                continue
+            times = [self.sent_at.get(attempt, got[0]), *got]
+            gap = max(b - a for a, b in itertools.pairwise(times))
+            if gap > stall_s:
+                self.result.note("stalled", f"{attempt} waited {gap:.1f}s")
+
+
+def _check_client(history: History, stall_s: float) -> ClientResult:
+    walk = _ClientCheck(history)
+    for op in history.ops:
+        walk.op(op)
+    walk.owed(stall_s)
+    return walk.result
+
+
+def _owed_intervals(history: History) -> list[tuple[float, float | None]]:
+    """(from, until) spans during which the client waited for an owed answer."""
+    spans: list[tuple[float, float | None]] = []
+    start: float | None = None
+    count: Counter[Attempt] = Counter()
+    outstanding: Attempt | None = None
+    for op in history.ops:
+        if op.kind == "send" and op.attempt is not None:
+            outstanding, start = op.attempt, op.t
+        elif op.kind in ("cancel_sent", "cancelled") and start is not None:
+            spans.append((start, op.t))
+            start = None
+        elif op.kind == "block" and outstanding is not None and op.attempt == outstanding:
+            count[outstanding] += 1
+            if count[outstanding] >= BLOCKS and start is not None:
+                spans.append((start, op.t))
+                start = None
+    if start is not None:
+        spans.append((start, None))
+    return spans
+
+
+def _recovery(histories: Sequence[History], faults: list[Fault]) -> dict[str, list[float]]:
+    blocks = {h.client: [op.t for op in h.ops if op.kind == "block"] for h in histories}
+    spans = {h.client: _owed_intervals(h) for h in histories}
+    recovery: dict[str, list[float]] = {}
+    for fault in faults:
+        delays: list[float] = []
+        for client, intervals in spans.items():
+            waiting = any(a <= fault.t and (b is None or b > fault.t) for a, b in intervals)
+            if not waiting:
+                continue
+            after = [t for t in blocks[client] if t > fault.t]
+            if after:
+                delays.append(after[0] - fault.t)
+        if delays:
+            recovery.setdefault(fault.kind, []).append(max(delays))
+    return recovery
+
+
+def summarize(op_counts: Iterable[Op]) -> Counter[str]:
+    """How many operations of each kind (for the report)."""
+    return Counter(op.kind for op in op_counts)

@@ -1,0 +1,288 @@
+"""The generator: one realtime client that sends numbered inputs and records what it saw.
+
+A client opens a session, then sends its inputs one at a time
+(``conversation.item.create`` + ``response.create``) and waits for each answer's
+four blocks. Some answers it cancels (``response.cancel`` or ``barge_in``) after
+0..3 blocks or right at the answer's end, and then waits for the cancel's
+acknowledgement before going on. When its socket dies (a fault, or the nemesis
+dropping it on purpose) it resumes on any coordinator with its token and the
+last ``server_event_seq`` it processed, and goes on; events are processed once
+each, by ``server_event_seq``, whichever socket brought them. It never guesses:
+an attempt the server did not acknowledge before the socket died is sent again
+as a new attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from chaos.history import BLOCKS, Attempt, History, Op, parse_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    api_key: str
+    cancel_rate: float = 0.3
+    """Share of answers the client cancels."""
+    resume_within_s: float = 30.0
+    """A session that cannot be resumed for this long is dead."""
+    wait_s: float = 60.0
+    """Longest wait for one answer (or cancel acknowledgement) before moving on."""
+    think_s: float = 0.15
+    """Longest pause between two inputs."""
+
+
+class SessionDead(Exception):
+    """The session cannot go on (resume refused, closed, unreachable)."""
+
+
+class ChaosClient:
+    """One client's session, driven until ``stop`` is set, then drained."""
+
+    def __init__(
+        self,
+        index: int,
+        rng: random.Random,
+        endpoints: Callable[[], Sequence[str]],
+        config: ClientConfig,
+        started: float,
+    ) -> None:
+        self.index = index
+        self.rng = rng
+        self.endpoints = endpoints
+        self.config = config
+        self.started = started
+        self.history = History(index)
+        self.token = ""
+        self.last_seq = 0
+        self.epoch = 0
+        self.cancel_epoch = 0
+        self.outstanding: Attempt | None = None
+        self.acked = False
+        self.blocks: set[int] = set()
+        self._socket: ClientConnection | None = None
+        self._readers: set[asyncio.Task[None]] = set()
+        self._cancel_from = 0
+        self._changed = asyncio.Event()
+        self._lost_socket = asyncio.Event()
+
+    # -- recording -------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.monotonic() - self.started
+
+    def _record(self, kind: Any, **fields: Any) -> None:
+        self.history.add(Op(kind, self._now(), **fields))
+        self._changed.set()
+
+    # -- the run ---------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._open()
+            number = 0
+            while not stop.is_set():
+                number += 1
+                await self._one_input(number)
+                await asyncio.sleep(self.rng.uniform(0, self.config.think_s))
+        except SessionDead as exc:
+            self._record("dead", detail=str(exc))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in list(self._readers):
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        if self._socket is not None:
+            with contextlib.suppress(Exception):
+                await self._socket.close()
+
+    async def _one_input(self, number: int) -> None:
+        plan = self._cancel_plan()
+        for attempt_no in range(10):
+            attempt = Attempt(self.index, number, attempt_no)
+            self.outstanding, self.acked, self.blocks = attempt, False, set()
+            self._record("send", attempt=attempt)
+            await self._send_input(attempt)
+            if await self._answer(plan):
+                return
+            # The socket died before the server acknowledged the attempt: send it again.
+
+    def _cancel_plan(self) -> int | None:
+        """After how many blocks to cancel (BLOCKS: right at the answer's end), or None."""
+        if self.rng.random() >= self.config.cancel_rate:
+            return None
+        return self.rng.randint(0, BLOCKS)
+
+    async def _answer(self, cancel_after: int | None) -> bool:
+        """Wait for the outstanding answer (cancelling it as planned); False when the
+        attempt must be sent again."""
+        deadline = time.monotonic() + self.config.wait_s
+        cancel_sent = False
+        while time.monotonic() < deadline:
+            if self._lost_socket.is_set():
+                await self._resume()
+                if not self.acked:
+                    return False
+                if cancel_sent and self.cancel_epoch <= self._cancel_from:
+                    await self._cancel()  # it may have been lost with the socket
+            if cancel_sent and self.cancel_epoch > self._cancel_from:
+                return True
+            if not cancel_sent and len(self.blocks) >= BLOCKS and cancel_after is None:
+                return True
+            due = cancel_after is not None and len(self.blocks) >= cancel_after
+            if not cancel_sent and due and (self.acked or self.blocks):
+                await self._cancel()
+                cancel_sent = True
+                continue
+            await self._wait_change(deadline)
+        return True  # gave up waiting: the checker sees what is missing
+
+    async def _wait_change(self, deadline: float) -> None:
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+
+    async def _cancel(self) -> None:
+        self._cancel_from = self.cancel_epoch
+        kind = self.rng.choice(("response.cancel", "barge_in"))
+        self._record("cancel_sent", attempt=self.outstanding, detail=kind)
+        await self._send({"type": kind})
+
+    # -- the socket ----------------------------------------------------------------------
+
+    async def _connect(self) -> ClientConnection:
+        headers = {"Authorization": f"Bearer {self.config.api_key}"}
+        for base in self.rng.sample(list(self.endpoints()), len(self.endpoints())):
+            try:
+                return await asyncio.wait_for(
+                    websockets.connect(f"{base}/v1/realtime", additional_headers=headers), 3
+                )
+            except (OSError, TimeoutError, websockets.WebSocketException):
+                continue
+        raise ConnectionError("no coordinator answered")
+
+    async def _open(self) -> None:
+        socket = await self._connect()
+        created = json.loads(await asyncio.wait_for(socket.recv(), 10))
+        if created.get("type") != "session.created":
+            raise SessionDead(f"open: {created}")
+        self.token = created["resume_token"]
+        self._adopt(socket)
+
+    def _adopt(self, socket: ClientConnection) -> None:
+        self._socket = socket
+        self._lost_socket.clear()
+        task = asyncio.create_task(self._read(socket))
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+
+    async def _resume(self) -> None:
+        deadline = time.monotonic() + self.config.resume_within_s
+        while True:
+            try:
+                socket = await self._connect()
+                await socket.send(json.dumps({
+                    "type": "session.resume", "resume_token": self.token,
+                    "last_received_server_event_seq": self.last_seq,
+                }))  # fmt: skip
+                answer = json.loads(await asyncio.wait_for(socket.recv(), 10))
+            except (OSError, TimeoutError, ConnectionError, websockets.WebSocketException):
+                if time.monotonic() > deadline:
+                    raise SessionDead("no coordinator took the resume") from None
+                await asyncio.sleep(0.2)
+                continue
+            if answer.get("type") != "session.resumed":
+                self._record("resume", detail=f"refused: {answer}")
+                raise SessionDead(f"resume refused: {answer}")
+            self.token = answer["resume_token"]
+            self._record("resume", detail="ok")
+            self._adopt(socket)
+            return
+
+    async def drop(self, *, half_open: bool) -> None:
+        """The nemesis: lose this client's socket (abruptly), or with ``half_open``
+        resume on a new socket while the old one still looks open."""
+        socket = self._socket
+        if socket is None:
+            return
+        self._record("drop", detail="half-open" if half_open else "abrupt")
+        if not half_open:
+            socket.transport.abort()
+        self._lost_socket.set()
+        self._changed.set()
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        socket = self._socket
+        try:
+            if socket is None:
+                raise ConnectionError("no socket")
+            await socket.send(json.dumps(event))
+        except (ConnectionError, websockets.WebSocketException):
+            self._lost_socket.set()
+
+    async def _send_input(self, attempt: Attempt) -> None:
+        item = {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": attempt.text()}]}  # fmt: skip
+        await self._send({"type": "conversation.item.create", "item": item})
+        await self._send({"type": "response.create"})
+
+    async def _read(self, socket: ClientConnection) -> None:
+        try:
+            async for raw in socket:
+                self._handle(json.loads(raw))
+        except websockets.WebSocketException:
+            pass
+        finally:
+            if socket is self._socket:
+                self._lost_socket.set()
+                self._changed.set()
+
+    def _on_created(self, event: dict[str, Any]) -> None:
+        """The server accepted an item: which attempt it was is read from its text."""
+        content = (event.get("item") or {}).get("content") or [{}]
+        blocks, _ = parse_blocks(str(content[0].get("text", "")))
+        if not blocks:
+            return
+        attempt = blocks[0].attempt
+        if attempt == self.outstanding:
+            self.acked = True
+        self._record("ack", attempt=attempt)
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        seq = int(event.get("server_event_seq", 0))
+        if seq:
+            if seq <= self.last_seq:
+                return  # already processed (brought again by a resume)
+            self.last_seq = seq
+        kind = event.get("type")
+        epoch = int((event.get("fence") or {}).get("epoch", -1))
+        self.epoch = max(self.epoch, epoch)
+        if kind == "conversation.item.created":
+            self._on_created(event)
+        elif kind == "response.cancelled":
+            self.cancel_epoch = max(self.cancel_epoch, epoch)
+            self._record("cancelled", epoch=epoch)
+        elif kind == "response.output_text.delta":
+            blocks, garbled = parse_blocks(str(event.get("delta", "")))
+            if garbled:
+                self._record("garbled", detail=str(event.get("delta"))[:80])
+            for block in blocks:
+                if block.attempt == self.outstanding:
+                    self.blocks.add(block.position)
+                self._record("block", attempt=block.attempt, block=block.position, epoch=epoch)
+        elif kind == "error":
+            self._record("error", detail=str((event.get("error") or {}).get("code")))
+        elif kind == "session.closed":
+            self._record("dead", detail="session closed")

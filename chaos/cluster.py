@@ -1,0 +1,205 @@
+"""The processes under test, started as a deployment runs them: each a real process.
+
+A private redis-server with the product's persistence (``REDIS_PERSISTENCE``),
+the control plane, coordinators on their own ports and stage workers, all with
+the shipped settings but for the Redis URL, the key prefix and the API key.
+Each process can be killed with SIGKILL, stopped with SIGSTOP, continued and
+started again (Redis on its AOF, a coordinator on its port, a worker under a
+new id).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {within_s} s")
+
+
+@dataclass
+class Proc:
+    """One child process and how to start it again."""
+
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    stopped: bool = False
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.stopped = False
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive and self.popen is not None:
+            os.kill(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(10)
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.stopped = False
+
+    def terminate(self, within_s: float = 15) -> None:
+        if not self.alive or self.popen is None:
+            return
+        self.resume()
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(within_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
+class Cluster:
+    """Redis, the control plane, coordinators and workers of one nemesis run."""
+
+    workdir: Path
+    pipeline: PipelineConfig
+    coordinators: int = 2
+    workers_per_stage: int = 2
+    api_key: str = "nemesis"
+    redis: Proc = field(init=False)
+    procs: dict[str, Proc] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    settings: Settings = field(init=False)
+    _spawned: int = 0
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        self.redis_port = free_port()
+        self.settings = Settings().model_copy(
+            update={
+                "redis_url": f"redis://127.0.0.1:{self.redis_port}/0",
+                "key_prefix": "nemesis",
+                "api_keys": (self.api_key,),
+            }
+        )
+        self.pipeline_path = self.workdir / "pipeline.json"
+        self.pipeline_path.write_text(self.pipeline.model_dump_json())
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/setup installs it)")
+        data = self.workdir / "redis"
+        data.mkdir(exist_ok=True)
+        self.redis = self._proc("redis", [
+            binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(data),
+            *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction",
+        ])  # fmt: skip
+
+    def _proc(self, name: str, args: list[str]) -> Proc:
+        env = {**os.environ, **self.settings.to_env(), "PYTHONPATH": str(ROOT)}
+        return Proc(name, args, self.workdir / "logs" / f"{name}.log", env)
+
+    # -- starting ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.redis.start()
+        wait_port(self.redis_port, 10)
+        self._add("control", ["-m", "coordinator.cli", "control"])
+        for i in range(self.coordinators):
+            port = free_port()
+            name = f"coordinator-{i}"
+            self.ports[name] = port
+            self._add(name, ["-m", "coordinator.cli", "coordinator", "--port", str(port)])
+        for stage in self.pipeline.stage_names:
+            for _ in range(self.workers_per_stage):
+                self.add_worker(stage)
+        for port in self.ports.values():
+            wait_port(port, 60)
+
+    def _add(self, name: str, args: list[str]) -> Proc:
+        full = [sys.executable, *args, "--pipeline", str(self.pipeline_path)]
+        proc = self._proc(name, full)
+        proc.start()
+        self.procs[name] = proc
+        return proc
+
+    def add_worker(self, stage: str) -> str:
+        """Start one more worker of ``stage`` (a fresh id, as a restarted pod gets)."""
+        self._spawned += 1
+        name = f"{stage}-w{self._spawned}"
+        self._add(name, ["-m", "workers", "--stage", stage, "--worker-id", name])
+        return name
+
+    # -- what the nemesis and the clients see ---------------------------------------
+
+    def endpoints(self) -> list[str]:
+        """ws:// bases of the coordinators that are running."""
+        return [
+            f"ws://127.0.0.1:{port}" for name, port in self.ports.items() if self.procs[name].alive
+        ]
+
+    def workers(self, *, running: bool = True) -> list[str]:
+        return [
+            name
+            for name, proc in self.procs.items()
+            if "-w" in name and proc.alive and (not running or not proc.stopped)
+        ]
+
+    def coordinator_names(self) -> list[str]:
+        return list(self.ports)
+
+    def restart_redis(self) -> None:
+        self.redis.kill()
+        self.redis.start()
+        wait_port(self.redis_port, 30)
+
+    def restart(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.kill()
+        proc.start()
+
+    def stop(self) -> None:
+        """Everything down: workers and coordinators first, Redis last."""
+        for proc in self.procs.values():
+            proc.resume()
+        for proc in self.procs.values():
+            proc.signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            proc.terminate(15)
+        self.redis.terminate(15)
