@@ -62,6 +62,35 @@ def _retry() -> Retry:
 _RETRY_ON = [RedisConnectionError, RedisTimeoutError, ConnectionResetError, OSError]
 
 
+async def _no_cleanup(error: Exception) -> None:
+    return None
+
+
+class _ReconnectingPool(aioredis.ConnectionPool):
+    """A pool whose checkout survives a Redis restart.
+
+    redis-py retries a command's send and read, but a connection is (re)connected
+    when it is checked out of the pool, before that retry starts, and a failure of
+    the handshake there (``CLIENT SETINFO`` on a socket Redis resets while it
+    restarts) would reach the caller: a worker then failed its sessions over.
+    The checkout is retried with the same backoff instead
+    (``tests/test_redis_restart.py``)."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        checkout = super().get_connection
+        retry = _retry()
+        retry.update_supported_errors(_RETRY_ON)
+        return await retry.call_with_retry(lambda: checkout(*args, **kwargs), _no_cleanup)
+
+
+def _client(url: str, **options: Any) -> aioredis.Redis:
+    single = bool(options.pop("single_connection_client", False))
+    pool = _ReconnectingPool.from_url(url, **options)
+    client = aioredis.Redis(connection_pool=pool, single_connection_client=single)
+    client.auto_close_connection_pool = True
+    return client
+
+
 class RedisBus:
     """Redis connections, Lua scripts and stream operations for one deployment."""
 
@@ -69,7 +98,7 @@ class RedisBus:
         self.url = url
         self.keys = keys or Keys()
         self._command_timeout = command_timeout
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
+        self.client: aioredis.Redis = _client(
             url,
             socket_timeout=command_timeout,
             socket_connect_timeout=command_timeout,
@@ -98,7 +127,7 @@ class RedisBus:
 
     def reader(self, block_ms: int) -> aioredis.Redis:
         """A dedicated connection for blocking reads of up to ``block_ms``."""
-        conn: aioredis.Redis = aioredis.Redis.from_url(
+        conn: aioredis.Redis = _client(
             self.url,
             socket_timeout=block_ms / 1000 + self._command_timeout,
             socket_connect_timeout=self._command_timeout,

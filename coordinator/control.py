@@ -413,8 +413,8 @@ async def run_control(
     until the queue is empty); returns the worker for its counters.
 
     Losing Redis is a pause, not an end: arq's worker stops on a connection
-    error, so a new one is started once Redis answers again
-    (``tests/test_control.py``)."""
+    error (or anything else), so a new one is started, with a growing pause, until
+    Redis answers again (``tests/test_control.py``)."""
     cls = worker_settings(settings, pipeline, burst=burst, schedule=schedule)
     pause_s = 0.2
     while True:
@@ -428,8 +428,10 @@ async def run_control(
                 raise
             # arq's signal handler cancelled its main task: the normal way to stop.
             return worker
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            log.warning("control plane lost Redis (%s); reconnecting in %.1f s", exc, pause_s)
+        except Exception:
+            # Mostly Redis going away (arq also raises a WatchError for a connection
+            # lost inside its job pickup); a loop that survives logs and starts again.
+            log.exception("the control plane's worker stopped; restarting in %.1f s", pause_s)
         finally:
             await _shutdown(worker)
         await asyncio.sleep(pause_s)

@@ -115,3 +115,17 @@ async def test_a_retried_acquire_grants_the_lease_it_took(rig):
     assert status is AcquireStatus.OK and lease is not None and not lease.failover
     owners = await rig.bus.hmget(rig.sk.progress, ["echo:owners"])
     assert owners == [b"1"]
+
+
+async def test_a_connection_reset_during_its_handshake_is_retried(redis_server, key_prefix):
+    """Cause: redis-py connects a pooled connection when it is checked out, before its
+    command retry starts, so a reset during the handshake (Redis restarting) escaped
+    to the caller and a worker failed its sessions over."""
+    async with faulty_proxy(redis_server.port) as proxy:
+        bus = RedisBus(proxy.url, Keys(key_prefix))
+        try:
+            proxy.drop_reply_after(b"SETINFO")  # the first connection dies in its handshake
+            assert await bus.client.ping()
+            assert proxy.dropped == 1
+        finally:
+            await bus.aclose()

@@ -400,4 +400,3 @@ class Worker:
                 lag = group.get("lag")
                 return bool(lag) if lag is not None else False
         return False
-
