@@ -52,11 +52,16 @@ class Nemesis:
         return time.monotonic() - self.started
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Strike until ``stop``: every class once per round, in a shuffled order, so
+        even a short run meets each of them."""
+        round_: list[str] = []
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.rng.uniform(*self.every_s))
             except TimeoutError:
-                await self.strike(self.rng.choice(self.faults))
+                if not round_:
+                    round_ = self.rng.sample(self.faults, len(self.faults))
+                await self.strike(round_.pop())
         await asyncio.gather(*self._healing)
 
     async def strike(self, kind: str) -> None:

@@ -1,0 +1,73 @@
+"""The nemesis suite's checker on hand-written histories: each count can fire."""
+
+from __future__ import annotations
+
+from chaos.checker import Fault, check
+from chaos.history import Attempt, History, Op, parse_blocks
+
+A = Attempt(0, 1, 0)
+B = Attempt(0, 2, 0)
+
+
+def history(*ops: Op, client: int = 0) -> History:
+    h = History(client)
+    for op in ops:
+        h.add(op)
+    return h
+
+
+def answered(attempt: Attempt, t: float, epoch: int = 0, blocks=range(4)) -> list[Op]:
+    return [Op("block", t + j / 100, attempt, j, epoch) for j in blocks]
+
+
+def test_blocks_name_themselves():
+    blocks, garbled = parse_blocks(A.text()[13:26])
+    assert [(b.attempt, b.position) for b in blocks] == [(A, 1)] and not garbled
+    assert parse_blocks("<00.0001.0.1>x")[1]
+
+
+def test_a_clean_history_passes():
+    verdict = check([history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2))])
+    assert verdict.ok and sum(verdict.totals.values()) == 0
+
+
+def test_an_acknowledged_input_never_answered_is_lost():
+    verdict = check([history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 1, blocks=[0]))])
+    assert verdict.totals["lost"] == 1
+
+
+def test_an_unacknowledged_attempt_owes_nothing_but_may_not_repeat():
+    lenient = check([history(Op("send", 0, A))])
+    assert lenient.ok
+    twice = check([history(Op("send", 0, A), *answered(A, 1), *answered(A, 2))])
+    assert twice.totals["duplicated"] == 4
+
+
+def test_a_block_after_a_later_cancel_acknowledgement_is_stale():
+    ops = [Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2, blocks=[0])]
+    ops += [Op("cancel_sent", 0.3, A), Op("cancelled", 0.4, epoch=1)]
+    ops += answered(A, 0.5, epoch=0, blocks=[1])
+    verdict = check([history(*ops)])
+    assert verdict.totals["stale"] == 1 and verdict.totals["lost"] == 0
+
+
+def test_order_is_checked_within_and_across_answers():
+    ops = [Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2, blocks=[0, 2, 1, 3])]
+    ops += [Op("send", 1, B), Op("ack", 1.1, B), *answered(B, 1.2, blocks=[0])]
+    ops += answered(A, 1.3, blocks=[])
+    assert check([history(*ops)]).totals["out_of_order"] == 1
+
+
+def test_dead_and_stalled_sessions_are_counted():
+    dead = check([history(Op("dead", 1, detail="resume refused"))])
+    assert dead.totals["dead"] == 1
+    slow = check([history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 30))], stall_s=20)
+    assert slow.totals["stalled"] == 1 and slow.totals["lost"] == 0
+
+
+def test_recovery_is_the_wait_of_the_clients_a_fault_caught_waiting():
+    waiting = history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 3.0))
+    idle = history(Op("send", 0, B), Op("ack", 0.1, B), *answered(B, 0.5), client=1)
+    verdict = check([waiting, idle], [Fault(1.0, "kill_redis"), Fault(9.0, "kill_worker")])
+    assert verdict.recovery == {"kill_redis": [2.0]}
+    assert verdict.recovery_summary()["kill_redis"] == {"faults": 1, "p50_s": 2.0, "max_s": 2.0}
