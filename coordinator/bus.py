@@ -259,5 +259,9 @@ class RedisBus:
         reply = await cast(Awaitable[dict[bytes, bytes]], self.client.hgetall(key))
         return {k.decode(): v.decode() for k, v in reply.items()}
 
+    async def hset(self, key: str, mapping: Mapping[str, str | int]) -> int:
+        reply = self.client.hset(key, mapping=dict(mapping))
+        return int(await cast(Awaitable[int], reply))
+
     async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
         return int(await cast(Awaitable[int], self.client.hincrby(key, field, amount)))

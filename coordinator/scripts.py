@@ -336,15 +336,17 @@ return remember(KEYS[1], {'ok', n})
 
 # KEYS: meta
 # ARGV: producer pseq
-# Reserve the next response: response_seq + 1 (inputs after it carry the new value).
+# The user's turn ended: the model's turn and the response to it are reserved,
+# turn_id + 1 and response_seq + 1 (inputs after it carry the new values).
 RESERVE = r"""
 local again = replayed(KEYS[1])
 if again then return again end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
+local turn = redis.call('HINCRBY', KEYS[1], 'turn', 1)
 local resp = redis.call('HINCRBY', KEYS[1], 'resp', 1)
-return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), resp})
+return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), turn, resp})
 """
 
 # KEYS: meta

@@ -58,6 +58,10 @@ class Settings(_Model):
     """Most entries one stream read returns; a stage catching up gets batches this big."""
     worker_capacity: int = Field(64, ge=1, le=100_000)
     """Most sessions one worker owns at once; it takes no new work when full."""
+    max_session_failures: int = Field(3, ge=1, le=1000)
+    """A session on which a stage fails this many times in a row (its state cannot be
+    rebuilt, or applying its next input keeps failing, on any worker) is closed with a
+    ``session_failed`` error to its client instead of moving between workers for ever."""
     orphan_scan_ms: int = Field(250, ge=20, le=60_000)
     """How often a worker with spare capacity looks for expired leases to take over."""
     assign_claim_idle_ms: int = Field(5000, ge=100, le=600_000)

@@ -50,6 +50,8 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     RESUME_FAILED = "resume_failed"
     STAGE_ERROR = "stage_error"
+    SESSION_FAILED = "session_failed"
+    """A stage failed on the session too many times in a row; it was closed."""
 
 
 class DuplexqError(Exception):

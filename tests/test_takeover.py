@@ -104,3 +104,35 @@ async def test_a_new_owner_does_not_publish_again_what_its_predecessor_streamed(
         assert rest[0].fence.incarnation == 1
     finally:
         await coordinator.aclose()
+
+
+class BrokenStart(EchoBackend):
+    """A backend that cannot rebuild this session's state, on any worker."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.starts = 0
+
+    async def start(self, ctx, inputs, outputs):
+        self.starts += 1
+        raise RuntimeError("cannot rebuild")
+
+
+async def test_a_session_that_keeps_failing_is_quarantined_with_an_error(settings):
+    """Cause: such a session moved between workers for ever, its client never told."""
+    settings = settings.model_copy(update={"max_session_failures": 3})
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    broken = BrokenStart()
+    try:
+        await coordinator.open("s1")
+        async with running_worker(settings, pipeline, "echo", backend=broken):
+            got = await collect(coordinator, 1, timeout=30)
+            async with asyncio.timeout(20):
+                while (await coordinator.authority.status("s1"))["status"] != "closed":
+                    await asyncio.sleep(0.05)
+        (notice,) = outputs_of(got)
+        assert '"code":"session_failed"' in notice.text
+        assert broken.starts == 3
+    finally:
+        await coordinator.aclose()

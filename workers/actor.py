@@ -84,6 +84,8 @@ class ActorState(Enum):
     """The lease moved to another worker; this actor may publish nothing more."""
     CLOSED = auto()
     STOPPED = auto()
+    FAILED = auto()
+    """Applying an event raised: the worker hands the session back or quarantines it."""
 
 
 def decide(
@@ -198,7 +200,7 @@ class SessionActor:
     async def _apply_entry(self, entry: Entry) -> None:
         event = self._decode(entry)
         if event is None:
-            await self._count_drop("undecodable")
+            await self.count_drop("undecodable")
             self._advance(entry.id, None)
             return
         step = decide(event, self.applied_seq, self.ctx.fence, self.view)
@@ -210,7 +212,7 @@ class SessionActor:
         if step is Step.SKIP:
             return
         if step is Step.DROP:
-            await self._count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
+            await self.count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
         elif step is Step.ABSORB and not self.backend.continuous_input:
             await self.backend.absorb(self.ctx, event)
         else:
@@ -343,7 +345,7 @@ class SessionActor:
         else:
             # The authority kept moving under us; what is left is dropped, counted.
             log.error("publish refused %d times; dropping", PUBLISH_ATTEMPTS, extra=self._extra())
-            await self._count_drop("contention", sum(len(events) for _, events in groups))
+            await self.count_drop("contention", sum(len(events) for _, events in groups))
             result = await self.ownership.publish(
                 self.lease, [], applied_seq=applied, read_id=self.read_id, out_seq=0
             )
@@ -353,7 +355,7 @@ class SessionActor:
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
-            await self._count_drop("zombie", sum(len(events) for _, events in groups))
+            await self.count_drop("zombie", sum(len(events) for _, events in groups))
             self.end(ActorState.LOST)
         elif result.status is PublishStatus.CLOSED:
             self.end(ActorState.CLOSED)
@@ -379,7 +381,7 @@ class SessionActor:
         # Released meanwhile (cancel, superseded response): the outputs are dropped and
         # work still producing for that fence is stopped.
         del repaired[index]
-        await self._count_drop(result.reason or str(result.status), len(events))
+        await self.count_drop(result.reason or str(result.status), len(events))
         if self._producer_fence == fence:
             self._cancel_producer()
             await self.backend.release(self.ctx, fence)
@@ -409,7 +411,7 @@ class SessionActor:
             return current
         return None
 
-    async def _count_drop(self, reason: str, count: int = 1) -> None:
+    async def count_drop(self, reason: str, count: int = 1) -> None:
         if count:
             DROPPED_STALE.inc(count, stage=self.ctx.stage, reason=reason)
             await self.ownership.note_drop(reason, count)

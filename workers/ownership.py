@@ -186,6 +186,18 @@ class StageOwnership:
             return PublishResult(status, str(reply[2]), current, int(reply[1]) - 1)
         return PublishResult(status)
 
+    async def note_failure(self, session_id: str) -> int:
+        """Count a failure of this stage on the session; returns how many in a row at
+        the stage's recorded progress (a failure after progress was made counts 1)."""
+        progress = self.bus.keys.session(session_id).progress
+        fields = [f"{self.stage}:{name}" for name in ("applied", "failed_at", "failures")]
+        applied, failed_at, failures = await self.bus.hmget(progress, fields)
+        at = int(applied or 0)
+        same = failed_at is not None and int(failed_at) == at
+        count = int(failures or 0) + 1 if same else 1
+        await self.bus.hset(progress, {fields[1]: at, fields[2]: count})
+        return count
+
     async def note_drop(self, reason: str, count: int) -> None:
         """Count dropped outputs in the shared metrics hash (all processes add up)."""
         await self.bus.hincrby(self.bus.keys.metrics, f"dropped:{self.stage}:{reason}", count)

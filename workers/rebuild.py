@@ -13,8 +13,10 @@ outputs for inputs not yet applied were published by the previous owner as it
 streamed them (flush drafts publish without progress) before it died. The new
 owner handles those inputs again, and the runtime drops as many of the
 answer's first drafts as were already published (``Takeover.published``), so
-each reaches the client once (``tests/test_takeover.py``). A backend that
-samples regenerates the rest afresh after the part the user already has.
+each reaches the client once (``tests/test_takeover.py``). A model backend that
+continues the cut answer itself (``RebuildWindow.resumes_answers``: vLLM,
+MiniCPM-o) rebuilds it from the published part and produces only the rest, so
+nothing is dropped for it.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from coordinator.bus import Entry, RedisBus
 from coordinator.logs import session_extra
 from coordinator.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
-from schemas.errors import WireDecodeError
+from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
 from schemas.events import decode_control
 from schemas.fence import Fence
 from schemas.keys import ASSIGN_GROUP, Keys
@@ -232,6 +232,12 @@ class Worker:
                 window=self.backend.rebuild,
             )  # fmt: skip
             await self.backend.start(ctx, takeover.inputs, takeover.outputs)
+        except Exception:
+            self._taking.pop(session_id, None)
+            log.exception("could not rebuild the session", extra=session_extra(
+                session_id, lease.fence, stage=self.stage))  # fmt: skip
+            await self._failed(lease, ctx)
+            return
         finally:
             lost = self._taking.pop(session_id, None) is None
         if lost or self.state is not WorkerState.RUNNING:
@@ -239,7 +245,8 @@ class Worker:
             if not lost:
                 await self.ownership.release(lease, hand_back=True)
             return
-        actor = SessionActor(lease, self.ownership, self.backend, ctx, takeover.published)
+        published = {} if self.backend.rebuild.resumes_answers else takeover.published
+        actor = SessionActor(lease, self.ownership, self.backend, ctx, published)
         ctx.emit = actor.emit
         self.actors[session_id] = actor
         self._actor_tasks[session_id] = self._group.create_task(
@@ -272,12 +279,12 @@ class Worker:
                     await actor.apply(batch)
                 except Exception:
                     # One session's failure must not take the worker (and its other
-                    # sessions) down: hand this one back and go on.
+                    # sessions) down: hand this one back (or quarantine it) and go on.
                     log.exception(
                         "session failed; handing it back",
                         extra=session_extra(actor.session_id, actor.ctx.fence, stage=self.stage),
                     )
-                    actor.stop()
+                    actor.end(ActorState.FAILED)
         finally:
             await self._retire(actor)
 
@@ -291,7 +298,30 @@ class Worker:
             await self.ownership.release(actor.lease, hand_back=False)
         elif actor.state is ActorState.STOPPED:
             await self.ownership.release(actor.lease, hand_back=True)
+        elif actor.state is ActorState.FAILED:
+            await self._failed(actor.lease, actor.ctx)
         # LOST: the lease is someone else's now; touch nothing.
+
+    async def _failed(self, lease: Lease, ctx: StageContext) -> None:
+        """The stage failed on this session: hand it back to be tried elsewhere, or, after
+        ``max_session_failures`` failures in a row at the same input, close it with a
+        ``session_failed`` error to its client (quarantine)."""
+        failures = await self.ownership.note_failure(lease.session_id)
+        if failures < self.settings.max_session_failures:
+            await self.ownership.release(lease, hand_back=True)
+            return
+        log.error("quarantining the session after %d failures", failures,
+                  extra=session_extra(lease.session_id, ctx.fence, stage=self.stage))  # fmt: skip
+        await self.bus.hincrby(self.keys.metrics, f"quarantined:{self.stage}")
+        message = f"stage {self.stage} failed {failures} times on this session; it was closed"
+        with contextlib.suppress(DuplexqError):
+            await self.authority.journal(lease.session_id, {"type": "error", "error": {
+                "type": "server_error", "code": ErrorCode.SESSION_FAILED.value,
+                "message": message}})  # fmt: skip
+            await self.authority.close(
+                lease.session_id, reason="quarantined", ttl_s=self.settings.closed_ttl_s
+            )
+        await self.ownership.release(lease, hand_back=False)
 
     async def _hand_back_all(self) -> None:
         """Hand back sessions whose actor task did not get to (the group failed)."""
@@ -337,7 +367,11 @@ class Worker:
             owner.control_cursor = entry.id
             try:
                 control = decode_control(entry.fields.get(b"c", b""))
-            except WireDecodeError:
+            except WireDecodeError as exc:
+                log.warning("skipping control entry %s: %s", entry.id, exc,
+                            extra=session_extra(owner.session_id, owner.ctx.fence,
+                                                stage=self.stage))  # fmt: skip
+                await owner.count_drop("undecodable_control")
                 continue
             await owner.on_control(control)
             if not owner.active:

@@ -78,6 +78,11 @@ class RebuildWindow:
     """The newest applied inputs."""
     outputs: int | None = None
     """The newest outputs this stage published."""
+    resumes_answers: bool = False
+    """``start`` rebuilds an answer its predecessor was streaming from the outputs
+    already published, and ``handle`` then produces only the rest (a model that
+    continues its answer). Otherwise the runtime drops, of the answer produced again,
+    as many first drafts as were already published."""
 
 
 ALL_HISTORY = RebuildWindow()

@@ -61,7 +61,7 @@ from coordinator.request_ids import make_request_id
 from schemas.errors import InvalidInputError
 from schemas.events import InputEvent, OutputEvent, OutputKind
 from schemas.fence import Fence
-from workers.backends.base import ALL_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.minicpmo_engine import (
     CompletionView,
     DuplexStep,
@@ -154,7 +154,8 @@ class MiniCPMOStage:
     """Inputs accepted before a barge-in only join the prompt (``absorb``)."""
     follows_responses = True
     """Outputs answer the current response: a newer one supersedes them."""
-    rebuild = ALL_HISTORY
+    rebuild = RebuildWindow(resumes_answers=True)
+    """The whole history; an answer cut by a failover is continued, not restarted."""
 
     def __init__(
         self,

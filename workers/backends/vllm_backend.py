@@ -56,7 +56,7 @@ from typing import Any
 from coordinator.request_ids import make_request_id
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
-from workers.backends.base import ALL_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import SamplingSpec, VllmEngine
 from workers.backends.vllm_history import (
@@ -115,7 +115,8 @@ class VllmBackend:
     """Inputs accepted before a barge-in only join the context (``absorb``)."""
     follows_responses = True
     """Outputs are a response: a newer response supersedes them."""
-    rebuild = ALL_HISTORY
+    rebuild = RebuildWindow(resumes_answers=True)
+    """The whole history; an answer cut by a failover is continued, not restarted."""
 
     def __init__(
         self,
