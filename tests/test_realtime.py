@@ -389,5 +389,10 @@ async def test_an_audio_turn_with_server_vad(settings):
         if e["type"] == "conversation.item.input_audio_transcription.completed"
     ]
     assert len(heard) == 1 and "morning" in heard[0].lower()
+    # The server VAD's turn end reserved the model's turn, as a client commit does.
+    committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    assert (committed["fence"]["turn_id"], committed["fence"]["response_seq"]) == (1, 1)
+    answer = next(e for e in events if e["type"] == "response.output_audio.delta")
+    assert answer["fence"]["turn_id"] == 1
     audio_out = [e for e in events if e["type"] == "response.output_audio.delta"]
     assert sum(len(base64.b64decode(e["delta"])) for e in audio_out) > 24_000  # > 0.5 s

@@ -221,6 +221,7 @@ class Worker:
             )  # fmt: skip
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
         ctx.interrupt = functools.partial(self._interrupt, ctx)
+        ctx.end_turn = functools.partial(self._end_turn, ctx)
         # The heartbeat renews the lease while the history loads and the backend
         # rebuilds: a long session's takeover must not outlast the lease.
         self._taking[session_id] = lease
@@ -268,6 +269,13 @@ class Worker:
         if result.fence.epoch > ctx.fence.epoch:
             ctx.fence = ctx.fence.replace(epoch=result.fence.epoch)
         return result.fence
+
+    async def _end_turn(self, ctx: StageContext) -> Fence:
+        """A backend ended the user's turn: the reservation a client commit makes."""
+        fence = await self.authority.reserve_response(ctx.session_id)
+        if (fence.incarnation, fence.epoch) == (ctx.fence.incarnation, ctx.fence.epoch):
+            ctx.fence = ctx.fence.replace(turn_id=fence.turn_id, response_seq=fence.response_seq)
+        return fence
 
     # -- serving -----------------------------------------------------------------
 

@@ -47,6 +47,10 @@ class StageContext:
     interrupt: Callable[[str], Awaitable[Fence]] | None = None
     """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
     returns the new fence. Set by the runtime; a VAD hearing the user uses it."""
+    end_turn: Callable[[], Awaitable[Fence]] | None = None
+    """End the user's turn from inside the pipeline (a server VAD hearing the end of an
+    utterance): reserves the model's turn and response as a client commit does and
+    returns the new fence. Set by the runtime."""
     emit: Callable[[OutputDraft], None] | None = None
     """Publish a draft outside ``handle`` (a proactive stage speaking on its own, e.g.
     Mage-VL's gate firing between inputs), under the session's current fence. Set by

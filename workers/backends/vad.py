@@ -14,6 +14,9 @@ small state machine (``SpeechDetector``, pure) turns those into utterances:
   emits ``speech_stopped``, the utterance as 16 kHz ``pcm_s16le`` audio deltas
   (``prefix_padding_ms`` of audio before the start included; the last delta
   has ``meta["last"] = True``) and a ``done`` that ends the user's turn;
+- an utterance that ends by itself (silence, or ``max_segment_s`` reached) also
+  ends the user's turn in the session (``ctx.end_turn``): the answer to it is a
+  response of its own, with the next ``turn_id`` and ``response_seq``;
 - an utterance longer than ``max_segment_s`` is cut there (stopped and
   committed); if the user goes on, that is a new utterance.
 
@@ -302,6 +305,10 @@ class VadBackend:
         session = self._session(ctx)
         new, started = self._consume(session, event)  # bad audio raises: the outbox stays
         drafts, session.outbox = session.outbox + new, []
+        if ctx.end_turn is not None and any(_ends_turn(draft) for draft in new):
+            # The user's turn ended here, not by a client commit (which reserved the
+            # model's turn already): reserve it, so the answer is a response of its own.
+            await ctx.end_turn()
         if started and self.options.interrupt_response and ctx.interrupt is not None:
             # Everything is decided; publish at the new epoch once the barge-in is in.
             session.outbox = drafts
@@ -452,6 +459,15 @@ class VadBackend:
             OutputDraft(OutputKind.DONE, meta={**meta, "reason": reason, "turn_end": True})
         )
         return drafts
+
+
+def _ends_turn(draft: OutputDraft) -> bool:
+    """A turn end this stage decided (silence, the longest segment), not a commit's."""
+    return (
+        draft.kind is OutputKind.DONE
+        and bool(draft.meta.get("turn_end"))
+        and draft.meta.get("reason") != "commit"
+    )
 
 
 def _audio_of(event: StageEvent) -> AudioPayload | None:
