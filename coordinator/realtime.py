@@ -24,6 +24,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
 
+from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import (
     AudioPayload,
@@ -114,19 +115,27 @@ def response_id(fence: Fence) -> str:
 
 
 class ServerEventTranslator:
-    """Journal items of one session -> Realtime server events, with response framing.
+    """Journal items of one session -> Realtime server events.
 
-    ``terminal_stages`` are the client-facing stages whose ``done`` ends a
-    response (the last stage of each chain); other stages' ``done`` ends their
-    own part (text, transcript) or marks the user's turn end (server VAD).
+    When responses begin and end is ``coordinator.responses.ResponseLife``'s call
+    (its table is the rule); this class frames each piece: deltas, the parts a
+    response carried and their ``done`` events, notices, speech events, errors.
+    ``terminal_stages`` are the client-facing stages whose ``done`` ends a response
+    (the last stage of each chain); other stages' ``done`` ends their own part
+    (text, transcript) or marks the user's turn end (server VAD).
     """
 
     def __init__(self, terminal_stages: Sequence[str]) -> None:
         self.terminal = frozenset(terminal_stages)
-        self.active: str | None = None
+        self.life = ResponseLife()
         self._parts: set[str] = set()
         self._journal_seq = 0
         self._index = 0
+
+    @property
+    def active(self) -> str | None:
+        """The id of the response being streamed, if any."""
+        return self.life.active
 
     def translate(self, item: OutputEvent | ControlEvent, journal_seq: int) -> list[ServerEvent]:
         """Server events for one journal item (``journal_seq`` 0 for a barrier)."""
@@ -141,34 +150,32 @@ class ServerEventTranslator:
 
     def _control(self, control: ControlEvent) -> list[ServerEvent]:
         if control.kind is ControlKind.CANCEL:
-            ended = self._end("cancelled", control.reason)
+            ended = self._frame(self.life.step(Item.CANCEL, reason=control.reason))
             return [*ended, {"type": "response.cancelled", "reason": control.reason}]
         if control.kind is ControlKind.CLOSE:
-            return [*self._end("incomplete", "session_closed"), {"type": "session.closed"}]
+            return [*self._frame(self.life.step(Item.CLOSE)), {"type": "session.closed"}]
         if control.kind is ControlKind.FAILOVER:
             return [{"type": "session.failover", "stage": control.reason}]
         return []
 
-    def _start(self, output: OutputEvent) -> list[ServerEvent]:
-        rid = response_id(output.fence)
-        if self.active == rid:
-            return []
-        events = self._end("incomplete", "superseded") if self.active else []
-        self.active = rid
-        self._parts = set()
-        events.append(
-            {"type": "response.created", "response": {"id": rid, "status": "in_progress"}}
-        )
+    def _frame(self, changes: list[Change]) -> list[ServerEvent]:
+        """``response.created`` / ``response.done`` for what the response life decided;
+        a completed response's parts are closed first."""
+        events: list[ServerEvent] = []
+        for change in changes:
+            if isinstance(change, Created):
+                self._parts = set()
+                events.append({"type": "response.created",
+                               "response": {"id": change.response_id,
+                                            "status": "in_progress"}})  # fmt: skip
+                continue
+            if change.status == "completed":
+                events += self._parts_done(change.response_id)
+            response: dict[str, Any] = {"id": change.response_id, "status": change.status}
+            if change.reason:
+                response["status_details"] = {"reason": change.reason}
+            events.append({"type": "response.done", "response": response})
         return events
-
-    def _end(self, status: str, reason: str = "") -> list[ServerEvent]:
-        if self.active is None:
-            return []
-        response: dict[str, Any] = {"id": self.active, "status": status}
-        if reason:
-            response["status_details"] = {"reason": reason}
-        self.active = None
-        return [{"type": "response.done", "response": response}]
 
     def _output(self, out: OutputEvent) -> list[ServerEvent]:
         kind = out.kind
@@ -194,8 +201,8 @@ class ServerEventTranslator:
         return self._delta(out)
 
     def _delta(self, out: OutputEvent) -> list[ServerEvent]:
-        events = self._start(out)
-        rid = self.active
+        events = self._frame(self.life.step(Item.OUTPUT, response_id(out.fence)))
+        rid = self.life.active
         if out.kind is OutputKind.AUDIO_DELTA:
             self._parts.add("audio")
             delta = base64.b64encode(out.data).decode("ascii")
@@ -218,15 +225,15 @@ class ServerEventTranslator:
             if out.meta.get("turn_end"):
                 return [{"type": "input_audio_buffer.committed", "stage": out.stage}]
             return []
-        if self.active is None:
-            self._start(out)
-        rid = self.active
-        events: list[ServerEvent] = []
-        for part in sorted(self._parts):
-            name = {"audio": "output_audio", "text": "output_text",
-                    "transcript": "output_audio_transcript"}[part]  # fmt: skip
-            events.append({"type": f"response.{name}.done", "response_id": rid})
-        return events + self._end("completed")
+        return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
+
+    def _parts_done(self, rid: str) -> list[ServerEvent]:
+        names = {"audio": "output_audio", "text": "output_text",
+                 "transcript": "output_audio_transcript"}  # fmt: skip
+        return [
+            {"type": f"response.{names[part]}.done", "response_id": rid}
+            for part in sorted(self._parts)
+        ]
 
 
 def _fence_fields(fence: Fence) -> dict[str, int]:

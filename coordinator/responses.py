@@ -1,0 +1,91 @@
+"""A response's life, as the client sees it: every rule in this one table (pure).
+
+A response is *reserved* by the authority when the user's turn ends (a client
+commit, or the server VAD's turn end: ``response_seq`` + 1); nothing is sent
+for it until its first output reaches the session's journal. From then on the
+journal alone decides, read in order, so that a resume replaying the journal
+through a fresh ``ResponseLife`` frames it exactly as the live reader did::
+
+    state       journal item                 next        server events
+    ----------  ---------------------------  ----------  ------------------------------
+    idle        output of R                  streaming R created R
+    idle        final done of R              idle        created R, done R completed
+    streaming R output of R                  streaming R -
+    streaming R output of R' (R' != R)       streaming R' done R incomplete (superseded),
+                                                         created R'
+    streaming R final done                   idle        done R completed
+    streaming R cancel barrier               idle        done R cancelled (its reason)
+    streaming R close barrier                idle        done R incomplete (session_closed)
+    idle        cancel / close barrier       idle        -
+
+A *final done* is the ``done`` of a client-facing stage at the end of its chain
+(``terminal_stages``). ``R`` is the response id, derived from the fence the
+output was produced under. Every response that was created ends with exactly
+one ``response.done``; which server events frame the pieces of a response
+(deltas, transcripts) is the translator's business (``coordinator.realtime``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+
+class Item(Enum):
+    """What a journal item is, to a response's life."""
+
+    OUTPUT = "output"
+    FINAL_DONE = "final_done"
+    CANCEL = "cancel"
+    CLOSE = "close"
+
+
+class Ended(NamedTuple):
+    """``response.done`` for a response, with its status and reason."""
+
+    response_id: str
+    status: str
+    reason: str = ""
+
+
+class Created(NamedTuple):
+    """``response.created`` for a response."""
+
+    response_id: str
+
+
+Change = Created | Ended
+
+
+class ResponseLife:
+    """The response the client is currently receiving, moved by journal items."""
+
+    def __init__(self) -> None:
+        self.active: str | None = None
+        """The streaming response's id; None when idle."""
+
+    def step(self, item: Item, response_id: str | None = None, *, reason: str = "") -> list[Change]:
+        """Apply one journal item (``response_id`` for outputs and final dones, the
+        cancel's ``reason`` for a cancel); the responses it creates and ends, in the
+        order their server events go out."""
+        active = self.active
+        if item in (Item.CANCEL, Item.CLOSE):
+            self.active = None
+            if active is None:
+                return []
+            if item is Item.CANCEL:
+                return [Ended(active, "cancelled", reason)]
+            return [Ended(active, "incomplete", "session_closed")]
+        if response_id is None:
+            raise ValueError(f"a {item.value} belongs to a response")
+        if item is Item.FINAL_DONE:
+            self.active = None
+            if active is None:
+                return [Created(response_id), Ended(response_id, "completed")]
+            return [Ended(active, "completed")]
+        if active == response_id:
+            return []
+        self.active = response_id
+        if active is None:
+            return [Created(response_id)]
+        return [Ended(active, "incomplete", "superseded"), Created(response_id)]

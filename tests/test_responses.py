@@ -1,0 +1,51 @@
+"""The response life table of ``coordinator.responses``, row by row (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.responses import Created, Ended, Item, ResponseLife
+
+
+def life(active: str | None) -> ResponseLife:
+    responses = ResponseLife()
+    responses.active = active
+    return responses
+
+
+@pytest.mark.parametrize(
+    ("active", "item", "rid", "changes", "after"),
+    [
+        (None, Item.OUTPUT, "r1", [Created("r1")], "r1"),
+        (None, Item.FINAL_DONE, "r1", [Created("r1"), Ended("r1", "completed")], None),
+        ("r1", Item.OUTPUT, "r1", [], "r1"),
+        ("r1", Item.OUTPUT, "r2",
+         [Ended("r1", "incomplete", "superseded"), Created("r2")], "r2"),
+        ("r1", Item.FINAL_DONE, "r1", [Ended("r1", "completed")], None),
+        ("r1", Item.CANCEL, None, [Ended("r1", "cancelled", "barge_in")], None),
+        ("r1", Item.CLOSE, None, [Ended("r1", "incomplete", "session_closed")], None),
+        (None, Item.CANCEL, None, [], None),
+        (None, Item.CLOSE, None, [], None),
+    ],
+)  # fmt: skip
+def test_each_row(active, item, rid, changes, after):
+    responses = life(active)
+    assert responses.step(item, rid, reason="barge_in") == changes
+    assert responses.active == after
+
+
+def test_every_created_response_ends_exactly_once():
+    responses = ResponseLife()
+    script = [
+        (Item.OUTPUT, "r1"), (Item.OUTPUT, "r1"), (Item.OUTPUT, "r2"), (Item.CANCEL, None),
+        (Item.FINAL_DONE, "r3"), (Item.OUTPUT, "r4"), (Item.CLOSE, None),
+    ]  # fmt: skip
+    changes = [c for item, rid in script for c in responses.step(item, rid)]
+    created = [c.response_id for c in changes if isinstance(c, Created)]
+    ended = [c.response_id for c in changes if isinstance(c, Ended)]
+    assert created == ended == ["r1", "r2", "r3", "r4"]
+
+
+def test_outputs_and_final_dones_name_their_response():
+    with pytest.raises(ValueError, match="belongs to a response"):
+        ResponseLife().step(Item.OUTPUT)
