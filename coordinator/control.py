@@ -15,9 +15,10 @@ in ``coordinator.control_core``, tested without Redis.
   the stage had an owner, so racing detectors cause one takeover. Ids in the
   sessions index whose session is closed (or gone) are dropped.
 - ``trim_streams`` (cron): trims each open session's input log and stage
-  output streams with XTRIM MINID, never past an entry a consumer has not
-  applied, and always keeping the newest ``*_retention`` entries; the client
-  journal is capped at ``output_retention`` (MAXLEN ~); assignment streams
+  output streams with XTRIM MINID to their newest ``*_retention`` entries and,
+  with ``retention_s``, to entries younger than that, never past an entry a
+  consumer has not applied; the client journal is capped at
+  ``output_retention`` (MAXLEN ~) and ``retention_s``; assignment streams
   are trimmed up to what their consumer group has delivered and acked.
 - ``expire_closed`` (cron): any key of a closed (or metaless) session that
   has no TTL gets ``closed_ttl_s``, atomically with the status check, so a
@@ -57,9 +58,11 @@ from coordinator.bus import RedisBus
 from coordinator.control_core import (
     ControlSchedule,
     RequeueBackoff,
+    age_floor,
     floor_in_page,
     group_floor,
     needs_expiry,
+    newest,
     parse_id,
     plan_audit,
     safe_min_id,
@@ -210,13 +213,21 @@ async def _retention_floor(
         start = "(" + page[-1].id
 
 
-async def trim_stream(bus: RedisBus, stream: str, reads: Sequence[str | None], keep: int) -> int:
-    """Trim ``stream`` as far as its consumers' positions and the retention allow."""
+async def trim_stream(
+    bus: RedisBus,
+    stream: str,
+    reads: Sequence[str | None],
+    keep: int,
+    older_than: str | None = None,
+) -> int:
+    """Trim ``stream`` as far as its consumers' positions and the retention (``keep``
+    newest entries, and nothing before ``older_than`` if given) allow."""
     if any(read is None for read in reads):
         return 0
     known = [read for read in reads if read is not None]
     stop_at = min(known, key=parse_id) if known else None
-    min_id = safe_min_id(reads, await _retention_floor(bus, stream, keep, stop_at))
+    floor = newest(await _retention_floor(bus, stream, keep, stop_at), older_than)
+    min_id = safe_min_id(reads, floor)
     return 0 if min_id is None else await bus.trim_before(stream, min_id)
 
 
@@ -224,15 +235,18 @@ async def _trim_session(state: ControlState, session_id: str) -> int:
     sk = state.keys.session(session_id)
     progress = await state.bus.hgetall(sk.progress)
     settings = state.settings
+    aged = age_floor(now_ms(), settings.retention_s)
     removed = 0
     for source, consumers in stream_consumers(state.pipeline).items():
         reads = [progress.get(f"{consumer}:read") for consumer in consumers]
         if source == SESSION_INPUT:
-            removed += await trim_stream(state.bus, sk.input, reads, settings.input_retention)
+            stream, keep = sk.input, settings.input_retention
         else:
-            stream = sk.stage_out(source)
-            removed += await trim_stream(state.bus, stream, reads, settings.output_retention)
+            stream, keep = sk.stage_out(source), settings.output_retention
+        removed += await trim_stream(state.bus, stream, reads, keep, aged)
     removed += await state.bus.trim_maxlen(sk.client, settings.output_retention)
+    if aged is not None:
+        removed += await state.bus.trim_before(sk.client, aged)
     return removed
 
 

@@ -53,6 +53,17 @@ def safe_min_id(reads: Sequence[str | None], retention_floor: str | None) -> str
     return None if parse_id(floor) == (0, 0) else floor
 
 
+def age_floor(now_ms: int, retention_s: int) -> str | None:
+    """The oldest stream id a time retention keeps (None: no time retention)."""
+    return f"{now_ms - retention_s * 1000}-0" if retention_s else None
+
+
+def newest(*ids: str | None) -> str | None:
+    """The newest of the ids given (None when there is none)."""
+    known = [i for i in ids if i is not None]
+    return max(known, key=parse_id) if known else None
+
+
 def floor_in_page(ids: Sequence[str], to_skip: int, stop_at: str | None) -> tuple[str | None, int]:
     """Walk one page of ids, oldest first, looking for the retention floor.
 

@@ -258,7 +258,10 @@ return 0
 
 # KEYS: meta lease prog stage_out client_out
 # ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups,
-#       then per group: inc ep tu rs n e1 .. en
+#       then per group: inc ep tu rs n, the n events for the stage's own stream,
+#       and (to_client only) the n events for the client journal
+# A client-facing stage that no stage reads passes its own stream's copies
+# without their audio: only the client journal needs the sound.
 # Every group of outputs (one fence each) and the progress cursor are written in
 # this one step, or nothing is. A group whose fence regressed is refused as
 # {'stale', index, reason, current fence}; one ahead of the authority (which only
@@ -291,16 +294,17 @@ for g = 1, tonumber(ARGV[8]) do
       return {'ahead', g, '', cinc, cep, ctu, crs}
     end
   end
-  groups[g] = {at + 5, at + 4 + n}
+  groups[g] = {at + 5, n}
   at = at + 5 + n
+  if ARGV[5] == '1' then at = at + n end
 end
 local last_sn = 0
 for _, span in ipairs(groups) do
-  for i = span[1], span[2] do
+  for i = span[1], span[1] + span[2] - 1 do
     redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
     if ARGV[5] == '1' then
       last_sn = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
-      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i], 'n', last_sn)
+      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', last_sn)
     end
   end
 end

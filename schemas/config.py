@@ -70,6 +70,11 @@ class Settings(_Model):
     """Entries kept in a session's input log; never trimmed past unapplied entries."""
     output_retention: int = Field(100_000, ge=100)
     """Entries kept in each output stream of a session (the resume journal included)."""
+    retention_s: int = Field(0, ge=0, le=365 * 86400)
+    """Entries older than this many seconds are trimmed from a session's input log, its
+    stage streams and its journal too, whatever the counts above allow (never an entry
+    a stage has not applied yet). 0: only the counts bound the streams. The log is what
+    failover and replay read: keep it at least as long as a session may need either."""
     closed_ttl_s: int = Field(3600, ge=1, le=30 * 86400)
     """Seconds a closed session's keys are kept (for replay and late readers)."""
     max_sessions: int = Field(10_000, ge=1)

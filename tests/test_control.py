@@ -469,3 +469,29 @@ async def test_the_control_plane_outlives_a_redis_restart(tmp_path):
             await control
         await coordinator.aclose()
         server.stop()
+
+
+async def test_time_retention_trims_old_entries_but_never_unapplied_ones(settings):
+    settings = settings.model_copy(update={"retention_s": 1})
+    coordinator = Coordinator(settings, ECHO)
+    ctx = await open_context(settings, ECHO)
+    bus, sk = coordinator.bus, coordinator.bus.keys.session("s1")
+    try:
+        await coordinator.open("s1")
+        await _append(coordinator, "s1", ["old1", "old2"])
+        await asyncio.sleep(1.2)
+        await trim_streams(ctx)
+        assert await bus.xlen(sk.input) == 2  # old, but no worker applied them yet
+        async with running_worker(settings, ECHO, "echo"):
+            await collect(coordinator, 2)
+            await asyncio.sleep(1.2)  # their answers grow old too
+            await _append(coordinator, "s1", ["new"])
+            await collect(coordinator, 1)
+            await trim_streams(ctx)
+        # Within the counts (100) but older than a second: gone, from every stream.
+        assert await _seqs(bus, sk.input) == [3]
+        journal = [e for e in await bus.xrange(sk.client) if b"e" in e.fields]
+        assert len(journal) == 1
+    finally:
+        await close_context(ctx)
+        await coordinator.aclose()

@@ -130,3 +130,39 @@ async def test_a_repeated_publish_writes_nothing_twice(redis_server, key_prefix)
             )
             assert result.status is PublishStatus.OK
         assert [o.text for o in await published(actor)] == ["once"]
+
+
+async def test_a_terminal_stages_audio_is_stored_once(redis_server, key_prefix):
+    """Cause: a client-facing stage that no stage reads kept every audio chunk twice,
+    in its own stream and in the client journal."""
+    from coordinator.bus import RedisBus
+    from schemas.config import echo_pipeline
+    from schemas.events import OutputEvent
+    from schemas.keys import Keys
+    from workers.ownership import StageOwnership
+
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        for pipeline, stage, own_keeps_audio in (
+            (echo_pipeline("tts"), "tts", False),  # client-facing, read by no stage
+            (echo_pipeline("vad", "asr"), "vad", True),  # the asr stage reads its audio
+        ):
+            sid = f"s-{stage}"
+            await SessionAuthority(bus, pipeline).open(sid)
+            ownership = StageOwnership(bus, pipeline, stage, "w1", 5000)
+            _, lease = await ownership.acquire(sid, 0)
+            sound = OutputEvent(
+                lease.fence, stage, OutputKind.AUDIO_DELTA, 1, 1, data=b"\x01" * 960
+            )
+            result = await ownership.publish(
+                lease, [(lease.fence, [sound])], applied_seq=1, read_id="1-0", out_seq=1
+            )
+            assert result.status is PublishStatus.OK
+            sk = bus.keys.session(sid)
+            (own,) = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.stage_out(stage))]
+            assert own.data == (sound.data if own_keeps_audio else b"")
+            assert own.seq == 1 and own.source_seq == 1
+            journal = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.client)]
+            assert [o.data for o in journal] == ([] if own_keeps_audio else [sound.data])
+    finally:
+        await bus.aclose()

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
+import msgspec
+
 from coordinator.authority import SessionAuthority
 from coordinator.bus import RedisBus
 from schemas.config import PipelineConfig
-from schemas.events import OutputEvent, encode_event
+from schemas.events import OutputEvent, OutputKind, encode_event
 from schemas.fence import Fence
 
 
@@ -64,6 +66,12 @@ OutputGroup = tuple[Fence, Sequence[OutputEvent]]
 """Outputs published under one fence."""
 
 
+def _without_audio(event: OutputEvent, encoded: bytes) -> bytes:
+    if event.kind is OutputKind.AUDIO_DELTA and event.data:
+        return encode_event(msgspec.structs.replace(event, data=b""))
+    return encoded
+
+
 class StageOwnership:
     """Acquire, renew, release and publish for one stage's worker."""
 
@@ -75,6 +83,9 @@ class StageOwnership:
         self.worker_id = worker_id
         self.ttl_ms = ttl_ms
         self.to_client = pipeline.stage(stage).to_client
+        self.audio_in_own_stream = not self.to_client or bool(pipeline.downstream(stage))
+        """False for a client-facing stage no stage reads: its audio is kept once, in
+        the client journal (its own stream serves rebuilds, which never need it)."""
         self._authority = SessionAuthority(bus, pipeline)
         self._stage_index = pipeline.stage_names.index(stage)
 
@@ -175,7 +186,15 @@ class StageOwnership:
         for fence, events in groups:
             args += [fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
             args.append(len(events))
-            args.extend(encode_event(event) for event in events)
+            full = [encode_event(event) for event in events]
+            if self.audio_in_own_stream:
+                args += full
+            else:
+                args += [
+                    _without_audio(event, raw) for event, raw in zip(events, full, strict=True)
+                ]
+            if self.to_client:
+                args += full
         reply = await self.bus.run(self.bus.publish_script, keys, args)
         status = PublishStatus(reply[0])
         if status is PublishStatus.OK:
