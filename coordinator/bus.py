@@ -12,9 +12,12 @@ connection out of step, so readers are never shared and loops let BLOCK
 expire instead of cancelling reads.
 
 Retries. Connection errors are retried with backoff (a Redis restart is a
-pause, not a crash). A retried write may run twice: every script that writes
-is idempotent on its arguments or its effects are deduplicated downstream by
-fence and ``seq``, never by stream id.
+pause, not a crash), including a reset during a connection's handshake when
+it is checked out of the pool. A retried write may reach Redis twice: every
+script that writes recognises the repeat (the caller's producer id and call
+number, the outputs' seqs, the lease token) and changes nothing more
+(``tests/test_idempotence.py``); plain commands retried here are idempotent
+or harmless when repeated (an assignment entry offered twice is taken once).
 """
 
 from __future__ import annotations
