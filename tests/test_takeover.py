@@ -136,3 +136,55 @@ async def test_a_session_that_keeps_failing_is_quarantined_with_an_error(setting
         assert broken.starts == 3
     finally:
         await coordinator.aclose()
+
+
+class SlowStart(EchoBackend):
+    """Rebuilding takes longer than the lease lasts."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__({})
+        self.seconds = seconds
+
+    async def start(self, ctx, inputs, outputs):
+        await asyncio.sleep(self.seconds)
+
+
+async def test_the_lease_is_renewed_while_a_takeover_rebuilds(settings):
+    """Cause: the lease was only renewed once the rebuild was done, so a long one let it
+    expire and the session moved between workers."""
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        await coordinator.open("s1")
+        slow = SlowStart(seconds=3 * settings.lease_ttl_ms / 1000)
+        async with running_worker(settings, pipeline, "echo", backend=slow):
+            await wait_owned(coordinator, "s1", "echo")  # taken; now rebuilding, slowly
+            async with running_worker(settings, pipeline, "echo"):  # takes expired leases
+                await coordinator.append("s1", "append_text", TextPayload("patience"))
+                (answer,) = outputs_of(await collect(coordinator, 1, timeout=30))
+        assert answer.text == "patience"
+        assert answer.fence.incarnation == 0  # nobody else ever took the session
+    finally:
+        await coordinator.aclose()
+
+
+async def test_an_undecodable_control_entry_is_logged_counted_and_skipped(settings, caplog):
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    bus = coordinator.bus
+    try:
+        await coordinator.open("s1")
+        async with running_worker(settings, pipeline, "echo"):
+            await wait_owned(coordinator, "s1", "echo")
+            await bus.client.xadd(bus.keys.session("s1").control, {"c": b"\xc1not msgpack"})
+            await coordinator.append("s1", "append_text", TextPayload("still served"))
+            (answer,) = outputs_of(await collect(coordinator, 1))
+            async with asyncio.timeout(10):
+                while not await bus.client.hget(
+                    bus.keys.metrics, "dropped:echo:undecodable_control"
+                ):
+                    await asyncio.sleep(0.05)
+        assert answer.text == "still served"
+        assert any("skipping control entry" in r.getMessage() for r in caplog.records)
+    finally:
+        await coordinator.aclose()
