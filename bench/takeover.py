@@ -8,7 +8,8 @@ a 40-token answer per turn and 3 s of spoken answer per turn. Then, for each
 stage, it times what a new owner reads before it can serve the session
 (``workers.rebuild.load_takeover``) with the window the stage's backend
 declares, and, side by side in the same run, reading the whole history (the
-takeover before the windows). The lease TTL (3 s by default) is the bound a
+takeover before the windows); then how long the backend takes to rebuild its
+state from what it read. The lease TTL (3 s by default) is the bound a
 takeover must stay well within; the lease is also renewed while it runs.
 Results go to ``bench/takeover.json``; docs/data-plane.md quotes them.
 """
@@ -35,9 +36,10 @@ from schemas.events import (
 from schemas.fence import Fence
 from schemas.keys import Keys
 from workers.backends.asr import AsrBackend
-from workers.backends.base import ALL_HISTORY, NO_HISTORY, RebuildWindow
+from workers.backends.base import ALL_HISTORY, NO_HISTORY, RebuildWindow, StageContext
 from workers.backends.vad import VadBackend
-from workers.rebuild import load_takeover
+from workers.backends.vllm_history import ChatHistory, rebuild
+from workers.rebuild import Takeover, load_takeover
 
 SID = "voice"
 CHUNK_S = 0.04
@@ -112,6 +114,26 @@ async def write(bus: RedisBus, streams: dict[str, list[bytes]]) -> dict[str, str
     return last
 
 
+async def rebuild_seconds(stage: str, takeover: Takeover) -> float:
+    """How long the stage's backend takes to rebuild the session from what was read
+    (the VAD runs its network over the audio since the last turn end; the thinker
+    rebuilds its chat history, timed without an engine; TTS rebuilds nothing)."""
+    backend: VadBackend | AsrBackend | None = None
+    if stage == "vad":
+        backend = VadBackend()
+        assert backend.model is not None  # loaded once per process, not per takeover
+    elif stage == "asr":
+        backend = AsrBackend()
+    began = time.perf_counter()
+    if backend is not None:
+        ctx = StageContext(SID, stage, Fence(SID), {})
+        await backend.start(ctx, takeover.inputs, takeover.outputs)
+    elif stage == "thinker":
+        own = [o for o in takeover.outputs if o.stage == stage]
+        rebuild(ChatHistory(32), takeover.inputs, own)
+    return time.perf_counter() - began
+
+
 async def measure(minutes: float) -> dict[str, Any]:
     streams = session_streams(minutes)
     with private_redis("takeover") as server:
@@ -142,6 +164,11 @@ async def measure(minutes: float) -> dict[str, Any]:
                 row["ratio"] = round(
                     row["whole"]["seconds"] / max(row["declared"]["seconds"], 1e-6), 1
                 )
+                declared = await load_takeover(
+                    bus, input_stream, sk.stage_out(stage), read_id=last[source],
+                    applied_seq=applied, window=WINDOWS[stage],
+                )  # fmt: skip
+                row["rebuild_seconds"] = round(await rebuild_seconds(stage, declared), 4)
                 stages[stage] = row
         finally:
             await bus.aclose()
