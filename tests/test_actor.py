@@ -41,3 +41,32 @@ async def test_a_cancel_at_any_step_of_the_producer_ends_the_relay(redis_server,
         await actor.on_control(cancel_of(actor))
         await asyncio.wait_for(handling, 5)
         assert actor.active
+
+
+async def test_drafts_emitted_while_a_publish_is_under_way_are_published(redis_server, key_prefix):
+    """Cause: a draft a backend emitted (a proactive remark's last chunk) while the
+    actor was publishing waited, unpublished, until the session's next input."""
+    from schemas.events import decode_output
+    from tests.actor_helpers import STAGE
+    from workers.backends.base import OutputDraft
+
+    async with owned_actor(redis_server, key_prefix) as actor:
+        real_publish = actor.ownership.publish
+        calls = 0
+
+        async def publish_and_emit(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            result = await real_publish(*args, **kwargs)
+            if calls == 1:  # the backend speaks on while this publish is in flight
+                actor.emit(OutputDraft(OutputKind.DONE, meta={"last": True}))
+            return result
+
+        actor.ownership.publish = publish_and_emit  # type: ignore[method-assign]
+        actor.emit(OutputDraft(OutputKind.TEXT_DELTA, text="remark"))
+        await actor.apply(await actor.queue.get())
+        bus = actor.ownership.bus
+        stream = bus.keys.session(actor.session_id).stage_out(STAGE)
+        published = [decode_output(e.fields[b"e"]) for e in await bus.xrange(stream)]
+        assert [o.kind for o in published] == [OutputKind.TEXT_DELTA, OutputKind.DONE]
+        assert actor.idle.is_set() and not actor._pending

