@@ -70,3 +70,27 @@ async def test_drafts_emitted_while_a_publish_is_under_way_are_published(redis_s
         published = [decode_output(e.fields[b"e"]) for e in await bus.xrange(stream)]
         assert [o.kind for o in published] == [OutputKind.TEXT_DELTA, OutputKind.DONE]
         assert actor.idle.is_set() and not actor._pending
+
+
+async def test_a_cancel_seen_first_by_a_refused_publish_releases_once(redis_server, key_prefix):
+    """Cause: a flush refused for the old epoch released the producer's fence, and the
+    cancel's control, read a moment later, released it again."""
+    from coordinator.authority import SessionAuthority
+    from schemas.events import ControlEvent, ControlKind
+    from tests.actor_helpers import PIPELINE
+    from workers.backends.echo import EchoBackend
+
+    backend = EchoBackend({"chunks": 4, "step_ms": 10_000})
+    async with owned_actor(redis_server, key_prefix, backend=backend) as actor:
+        before = actor.ctx.fence
+        # The cancel lands in Redis; its control has not reached the actor yet.
+        result = await SessionAuthority(actor.ownership.bus, PIPELINE).cancel(actor.session_id)
+        handling = asyncio.create_task(actor._handle(text_input(actor, 1, "abcdefgh")))
+        async with asyncio.timeout(5):
+            while actor.ctx.fence.epoch == before.epoch:  # the refused flush taught it
+                await asyncio.sleep(0.01)
+        await actor.on_control(
+            ControlEvent(ControlKind.CANCEL, result.fence, cancelled=before, reason="cancel")
+        )
+        await asyncio.wait_for(handling, 5)
+        assert backend.released == [before]

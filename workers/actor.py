@@ -391,7 +391,13 @@ class SessionActor:
         del repaired[index]
         await self.count_drop(result.reason or str(result.status), len(events))
         if self._producer_fence == fence:
+            # Released once: a cancel not yet read from the control stream is acted on
+            # here, so when its control arrives there is nothing left to release.
             self._cancel_producer()
+            self._producer_fence = None
+            if current is not None and current.epoch > self.ctx.fence.epoch:
+                self.ctx.fence = self.ctx.fence.replace(epoch=current.epoch)
+                self.view.advance(current)
             await self.backend.release(self.ctx, fence)
         return repaired
 
@@ -458,6 +464,7 @@ class SessionActor:
         producing = self._producer_fence
         if producing is not None and producing.epoch < self.ctx.fence.epoch:
             self._cancel_producer()
+            self._producer_fence = None  # released below, once
         if control.cancelled is not None:
             await self.backend.release(self.ctx, control.cancelled)
 
