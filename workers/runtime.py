@@ -249,10 +249,16 @@ class Worker:
         published = {} if self.backend.rebuild.resumes_answers else takeover.published
         actor = SessionActor(lease, self.ownership, self.backend, ctx, published)
         ctx.emit = actor.emit
+        serving = self._serve(actor)
+        try:
+            task = self._group.create_task(serving, name=f"actor {session_id}")
+        except RuntimeError:  # the worker is shutting down: hand the session back
+            serving.close()
+            await self.backend.stop(ctx)
+            await self.ownership.release(lease, hand_back=True)
+            return
         self.actors[session_id] = actor
-        self._actor_tasks[session_id] = self._group.create_task(
-            self._serve(actor), name=f"actor {session_id}"
-        )
+        self._actor_tasks[session_id] = task
         OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
         await self._wake()
 
