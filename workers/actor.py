@@ -354,8 +354,9 @@ class SessionActor:
             # The authority kept moving under us; what is left is dropped, counted.
             log.error("publish refused %d times; dropping", PUBLISH_ATTEMPTS, extra=self._extra())
             await self.count_drop("contention", sum(len(events) for _, events in groups))
+            groups = []
             result = await self.ownership.publish(
-                self.lease, [], applied_seq=applied, read_id=self.read_id, out_seq=0
+                self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=0
             )
         if result.status is PublishStatus.OK:
             PUBLISHES.inc(stage=self.ctx.stage)
