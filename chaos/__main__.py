@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=3, help="workers per stage")
     parser.add_argument("--faults", default=",".join(FAULTS), help="fault classes, comma-separated")
     parser.add_argument("--stall-s", type=float, default=20.0)
+    parser.add_argument(
+        "--every", default="2.5,5", help="seconds between faults: low,high (uniform)"
+    )
     parser.add_argument("--workdir", type=Path, help="logs and Redis data (default: a temp dir)")
     parser.add_argument("--report", type=Path, help="report path (default: WORKDIR/report.json)")
     args = parser.parse_args(argv)
@@ -98,8 +101,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             ChaosClient(i, random.Random(rng.random()), cluster.endpoints, config, started)
             for i in range(args.clients)
         ]
+        low, high = (float(v) for v in args.every.split(","))
         nemesis = Nemesis(cluster, clients, random.Random(rng.random()), started,
-                          faults=args.faults.split(","))  # fmt: skip
+                          faults=args.faults.split(","), every_s=(low, high))  # fmt: skip
         stop_clients, stop_faults = asyncio.Event(), asyncio.Event()
         tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]
         await asyncio.sleep(3)  # every client's session is up before the first fault

@@ -108,10 +108,13 @@ class _ClientCheck:
         elif op.kind == "ack" and op.attempt is not None:
             self.acked.add(op.attempt)
         elif op.kind == "cancelled":
+            # A cancel ends everything of the epochs before it: every answer sent so
+            # far and not complete (an attempt sent again after a dropped socket, whose
+            # first try the server had accepted after all, included).
             self.cancel_epoch = max(self.cancel_epoch, op.epoch)
-            out = self.outstanding
-            if out is not None and len(self.arrivals.get(out, ())) < BLOCKS:
-                self.cancelled.add(out)
+            for attempt in self.sent_at:
+                if len(self.arrivals.get(attempt, ())) < BLOCKS:
+                    self.cancelled.add(attempt)
         elif op.kind == "dead":
             self.result.note("dead", op.detail)
         elif op.kind == "block" and op.attempt is not None:

@@ -209,7 +209,16 @@ class ChaosClient:
             self.token = answer["resume_token"]
             self._record("resume", detail="ok")
             self._adopt(socket)
+            # What the session sent while the socket was down comes first: wait for it,
+            # so that whether the outstanding attempt was accepted is known.
+            await self._caught_up(int(answer.get("server_event_seq", 0)), deadline)
             return
+
+    async def _caught_up(self, seq: int, deadline: float) -> None:
+        while self.last_seq < seq and not self._lost_socket.is_set():
+            await self._wait_change(deadline)
+            if time.monotonic() >= deadline:
+                return
 
     async def drop(self, *, half_open: bool) -> None:
         """The nemesis: lose this client's socket (abruptly), or with ``half_open``
@@ -266,6 +275,7 @@ class ChaosClient:
             if seq <= self.last_seq:
                 return  # already processed (brought again by a resume)
             self.last_seq = seq
+            self._changed.set()
         kind = event.get("type")
         epoch = int((event.get("fence") or {}).get("epoch", -1))
         self.epoch = max(self.epoch, epoch)

@@ -71,3 +71,13 @@ def test_recovery_is_the_wait_of_the_clients_a_fault_caught_waiting():
     verdict = check([waiting, idle], [Fault(1.0, "kill_redis"), Fault(9.0, "kill_worker")])
     assert verdict.recovery == {"kill_redis": [2.0]}
     assert verdict.recovery_summary()["kill_redis"] == {"faults": 1, "p50_s": 2.0, "max_s": 2.0}
+
+
+def test_a_cancel_ends_every_answer_in_flight_not_only_the_last_sent():
+    """An attempt sent again after a dropped socket, whose first try the server had
+    accepted after all: a cancel that follows ends both, and neither is lost."""
+    retry = Attempt(0, 1, 1)
+    ops = [Op("send", 0, A), Op("drop", 0.1), Op("send", 0.2, retry)]
+    ops += [Op("ack", 0.3, A), Op("ack", 0.3, retry), *answered(A, 0.4, blocks=[0, 1, 2])]
+    ops += [Op("cancel_sent", 0.5, retry), Op("cancelled", 0.6, epoch=1)]
+    assert check([history(*ops)]).ok
