@@ -128,11 +128,6 @@ class Hub:
         self.graces: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
 
-    @property
-    def queues(self) -> dict[str, asyncio.Queue[Delivery]]:
-        """The outbound queue of each session served here."""
-        return {sid: conn.queue for sid, conn in self.connections.items()}
-
     def check_key(self, presented: str | None) -> None:
         if self.settings.allow_anonymous and not presented:
             return
