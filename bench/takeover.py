@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, private_redis
-from coordinator.bus import RedisBus
+from dataplane.bus import RedisBus
 from schemas.events import (
     AudioPayload,
     InputEvent,

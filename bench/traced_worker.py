@@ -30,9 +30,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dataplane.config import load_pipeline_or_echo, load_settings
 from schemas.events import OutputEvent
 from schemas.fence import Fence
-from workers.__main__ import load_pipeline_or_echo, load_settings
 from workers.backends import StageBackend, StageContext, create_backend
 from workers.backends.base import OutputDraft, StageEvent
 from workers.runtime import Worker

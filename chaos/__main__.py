@@ -26,7 +26,7 @@ from chaos.checker import COUNTS, Verdict, check, summarize
 from chaos.client import ChaosClient, ClientConfig
 from chaos.cluster import Cluster
 from chaos.nemesis import FAULTS, Nemesis
-from coordinator.bus import RedisBus
+from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, StageConfig
 from schemas.keys import Keys
 

@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from coordinator.connection import Connection, Hub
-from coordinator.metrics import REGISTRY
+from dataplane.metrics import REGISTRY
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError
 

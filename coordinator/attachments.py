@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from coordinator.bus import RedisBus
+from dataplane.bus import RedisBus
 from schemas.errors import AuthError, ErrorCode, SessionClosedError
 
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import sys
 import time
 from pathlib import Path
 
 from coordinator import control, replay
-from coordinator.bus import RedisBus
 from coordinator.inspect import inspect_session, list_sessions, render_session
 from coordinator.local_stack import LocalStack, demonstrate
+from dataplane.bus import RedisBus
+from dataplane.config import load_pipeline_or_echo, load_settings
 from schemas.config import PipelineConfig, Settings, load_pipeline
 from schemas.keys import Keys
-from workers.__main__ import load_pipeline_or_echo, load_settings
-from workers.__main__ import main as worker_main
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
@@ -102,7 +102,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             forwarded += [f"--{flag.replace('_', '-')}", str(value)]
     if args.burst:
         forwarded.append("--burst")
-    return worker_main(forwarded)
+    # The worker is its own program (``python -m workers``): this process becomes it,
+    # so the coordinator package never imports the workers' one.
+    os.execv(sys.executable, [sys.executable, "-m", "workers", *forwarded])
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:

@@ -30,7 +30,6 @@ from collections import deque
 from typing import Any, Protocol
 
 from coordinator.attachments import Attachments, key_digest
-from coordinator.metrics import CANCEL_ACK, FIRST_OUTPUT, SESSIONS
 from coordinator.output_reader import Delivery
 from coordinator.realtime import (
     ServerEventTranslator,
@@ -41,6 +40,7 @@ from coordinator.realtime import (
 )
 from coordinator.resume import replay_journal
 from coordinator.service import Coordinator
+from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT, SESSIONS
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import (
     AuthError,

@@ -53,8 +53,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
 from coordinator.control_core import (
     ControlSchedule,
     RequeueBackoff,
@@ -70,6 +68,8 @@ from coordinator.control_core import (
     stream_consumers,
 )
 from coordinator.replay import LogProgress, replay_session
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.keys import Keys
 
@@ -521,7 +521,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def control_command(args: argparse.Namespace) -> int:
-    from workers.__main__ import load_pipeline_or_echo, load_settings
+    from dataplane.config import load_pipeline_or_echo, load_settings
 
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_or_echo(args.pipeline)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.bus import RedisBus
+from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig
 from schemas.fence import Fence
 

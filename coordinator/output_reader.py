@@ -20,9 +20,9 @@ import contextlib
 from collections import Counter
 from typing import NamedTuple
 
-from coordinator.bus import Entry, RedisBus
-from coordinator.metrics import DROPPED_STALE
-from coordinator.sessions import FenceView
+from dataplane.bus import Entry, RedisBus
+from dataplane.metrics import DROPPED_STALE
+from dataplane.sessions import FenceView
 from schemas.errors import WireDecodeError
 from schemas.events import ControlEvent, OutputEvent, decode_control, decode_output
 from schemas.fence import Fence

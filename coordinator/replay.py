@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import IO, Any, Literal
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import Entry, RedisBus
 from coordinator.output_reader import JournalFollower
+from dataplane.authority import SessionAuthority
+from dataplane.bus import Entry, RedisBus
 from schemas.config import PipelineConfig
 from schemas.errors import (
     DuplexqError,
@@ -385,7 +385,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
-    from workers.__main__ import load_pipeline_or_echo, load_settings
+    from dataplane.config import load_pipeline_or_echo, load_settings
 
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_or_echo(args.pipeline)

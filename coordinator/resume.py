@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from coordinator.bus import Entry
 from coordinator.output_reader import JournalFollower
 from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator
 from coordinator.service import Coordinator
+from dataplane.bus import Entry
 from schemas.errors import AuthError, ErrorCode
 from schemas.fence import Fence
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 
-from coordinator.authority import AppendReceipt, CancelResult, SessionAuthority
-from coordinator.bus import RedisBus
 from coordinator.output_reader import Delivery, OutputReader
+from dataplane.authority import AppendReceipt, CancelResult, SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, Settings
 from schemas.events import CommitPayload, InputMode, Payload
 from schemas.fence import Fence

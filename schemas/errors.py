@@ -68,7 +68,7 @@ class DuplexqError(Exception):
 class FenceMismatchError(DuplexqError):
     """A fence regressed against the session's current one.
 
-    ``reason`` is one of the short words of ``coordinator.sessions.MismatchReason``
+    ``reason`` is one of the short words of ``dataplane.sessions.MismatchReason``
     so drop counters can be keyed by it.
     """
 

@@ -3,7 +3,7 @@
 ``Fence(session_id, incarnation, epoch, turn_id, response_seq)`` names the
 generation of session state a message belongs to. Consumers compare a
 message's fence with the session's current one and drop what has regressed;
-the comparison rule lives in ``coordinator.sessions``.
+the comparison rule lives in ``dataplane.sessions``.
 
 The struct is frozen (hashable), slotted (no ``__dict__``) and encodes as a
 five-element array, so a fence costs a few bytes on the wire.

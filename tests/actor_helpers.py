@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import echo_pipeline
 from schemas.events import ControlEvent, ControlKind, InputEvent, InputMode, TextPayload
 from schemas.keys import Keys

@@ -75,7 +75,7 @@ async def test_drafts_emitted_while_a_publish_is_under_way_are_published(redis_s
 async def test_a_cancel_seen_first_by_a_refused_publish_releases_once(redis_server, key_prefix):
     """Cause: a flush refused for the old epoch released the producer's fence, and the
     cancel's control, read a moment later, released it again."""
-    from coordinator.authority import SessionAuthority
+    from dataplane.authority import SessionAuthority
     from schemas.events import ControlEvent, ControlKind
     from tests.actor_helpers import PIPELINE
     from workers.backends.echo import EchoBackend

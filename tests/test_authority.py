@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
-from coordinator.sessions import fence_mismatch
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
+from dataplane.sessions import fence_mismatch
 from schemas.config import echo_pipeline
 from schemas.errors import (
     FenceMismatchError,

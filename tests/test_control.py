@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from coordinator.authority import SessionAuthority
 from coordinator.control import (
     add_commands,
     audit_leases,
@@ -36,6 +35,7 @@ from coordinator.control_core import (
     stream_consumers,
 )
 from coordinator.service import Coordinator
+from dataplane.authority import SessionAuthority
 from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import ControlKind, TextPayload, decode_control, decode_input
 from schemas.keys import ASSIGN_GROUP

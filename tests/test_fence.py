@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from coordinator.sessions import MismatchReason, check_fence, fence_mismatch
+from dataplane.sessions import MismatchReason, check_fence, fence_mismatch
 from schemas.errors import FenceMismatchError
 from schemas.fence import Fence, require_fence
 

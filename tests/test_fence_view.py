@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.sessions import FenceView, MismatchReason
+from dataplane.sessions import FenceView, MismatchReason
 from schemas.events import (
     ControlEvent,
     ControlKind,

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload, decode_control
 from schemas.keys import Keys

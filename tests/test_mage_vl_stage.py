@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from coordinator.request_ids import parse_request_id
 from coordinator.service import Coordinator
+from dataplane.request_ids import parse_request_id
 from schemas.config import PipelineConfig, StageConfig
 from schemas.events import (
     AudioPayload,

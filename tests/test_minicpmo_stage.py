@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 
 from coordinator.realtime import ServerEventTranslator
-from coordinator.request_ids import parse_request_id
 from coordinator.service import Coordinator
+from dataplane.request_ids import parse_request_id
 from schemas.config import PipelineConfig, StageConfig, load_pipeline
 from schemas.events import (
     AudioPayload,

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from coordinator.metrics import PUBLISHES
 from coordinator.service import Coordinator
+from dataplane.metrics import PUBLISHES
 from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
 from schemas.fence import Fence

@@ -7,7 +7,7 @@ it checks happens every run.
 
 from __future__ import annotations
 
-from coordinator.authority import SessionAuthority
+from dataplane.authority import SessionAuthority
 from schemas.events import OutputKind, decode_output
 from tests.actor_helpers import PIPELINE, STAGE, fail_over, owned_actor
 from workers.actor import SessionActor
@@ -135,7 +135,7 @@ async def test_a_repeated_publish_writes_nothing_twice(redis_server, key_prefix)
 async def test_a_terminal_stages_audio_is_stored_once(redis_server, key_prefix):
     """Cause: a client-facing stage that no stage reads kept every audio chunk twice,
     in its own stream and in the client journal."""
-    from coordinator.bus import RedisBus
+    from dataplane.bus import RedisBus
     from schemas.config import echo_pipeline
     from schemas.events import OutputEvent
     from schemas.keys import Keys

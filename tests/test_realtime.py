@@ -296,7 +296,7 @@ async def test_health_readiness_and_metrics(settings):
 
 
 async def test_worker_metrics_endpoint():
-    from coordinator.metrics import serve_metrics
+    from dataplane.metrics import serve_metrics
     from tests.redis_server import free_port
 
     port = free_port()
@@ -317,7 +317,7 @@ async def test_detached_session_is_closed_after_the_grace_period(settings):
         async with Client.connect(base) as client:
             created = await client.recv()
         sid = created["session"]["id"]
-        from coordinator.bus import RedisBus
+        from dataplane.bus import RedisBus
         from schemas.keys import Keys
 
         bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))

@@ -6,8 +6,8 @@ import time
 
 import redis
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import Keys

@@ -8,7 +8,6 @@ import pytest
 from arq.connections import RedisSettings, create_pool
 from arq.jobs import Job
 
-from coordinator.bus import Entry
 from coordinator.control import (
     enqueue_replay,
     job_deserializer,
@@ -28,6 +27,7 @@ from coordinator.replay import (
     replay_session,
 )
 from coordinator.service import Coordinator
+from dataplane.bus import Entry
 from schemas.config import echo_pipeline
 from schemas.errors import SessionExistsError, SessionNotFoundError
 from schemas.events import (

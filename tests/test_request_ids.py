@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.request_ids import (
+from dataplane.request_ids import (
     RequestIdParts,
     belongs_to_session,
     extract_request_ids,

@@ -1,7 +1,7 @@
 import pytest
 
-from coordinator.request_ids import make_request_id
-from coordinator.sessions import AppendResult, SessionManager
+from dataplane.request_ids import make_request_id
+from dataplane.sessions import AppendResult, SessionManager
 from schemas.errors import (
     FenceMismatchError,
     ResourceExhaustedError,

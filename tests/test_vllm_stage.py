@@ -17,8 +17,8 @@ import time
 import pytest
 import pytest_asyncio
 
-from coordinator.request_ids import make_request_id, parse_request_id
 from coordinator.service import Coordinator
+from dataplane.request_ids import make_request_id, parse_request_id
 from schemas.config import PipelineConfig, StageConfig
 from schemas.events import (
     AudioPayload,

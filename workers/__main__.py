@@ -9,9 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from coordinator.logs import setup_logging
-from coordinator.metrics import serve_metrics
-from schemas.config import PipelineConfig, Settings, echo_pipeline, load_mapping, load_pipeline
+from dataplane.config import load_pipeline_or_echo, load_settings
+from dataplane.logs import setup_logging
+from dataplane.metrics import serve_metrics
 from workers.runtime import Worker
 
 
@@ -26,18 +26,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     return parser.parse_args(argv)
-
-
-def load_settings(path: Path | None, redis_url: str | None) -> Settings:
-    settings = Settings.model_validate(load_mapping(path)) if path else Settings()
-    settings = settings.with_env()
-    if redis_url:
-        settings = settings.model_copy(update={"redis_url": redis_url})
-    return settings
-
-
-def load_pipeline_or_echo(path: Path | None) -> PipelineConfig:
-    return load_pipeline(path) if path else echo_pipeline()
 
 
 async def serve(worker: Worker, metrics_port: int | None = None) -> None:

@@ -34,16 +34,16 @@ from enum import Enum, auto
 
 import msgspec
 
-from coordinator.bus import Entry
-from coordinator.logs import session_extra
-from coordinator.metrics import (
+from dataplane.bus import Entry
+from dataplane.logs import session_extra
+from dataplane.metrics import (
     BARGE_IN_REACTION,
     DROPPED_STALE,
     EVENTS_IN,
     EVENTS_OUT,
     PUBLISHES,
 )
-from coordinator.sessions import FenceView, fence_mismatch
+from dataplane.sessions import FenceView, fence_mismatch
 from schemas.errors import WireDecodeError
 from schemas.events import (
     ControlEvent,

@@ -1,4 +1,4 @@
-"""Leases and fenced publishing for one stage, over the Lua in ``coordinator.scripts``.
+"""Leases and fenced publishing for one stage, over the Lua in ``dataplane.scripts``.
 
 A worker owns (session, stage) through a lease: a key holding its id, a random
 token and the incarnation it was granted under, with a TTL renewed by
@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import RedisBus
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
 from schemas.events import OutputEvent, OutputKind, encode_event
 from schemas.fence import Fence

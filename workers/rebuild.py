@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from coordinator.bus import Entry, RedisBus
+from dataplane.bus import Entry, RedisBus
 from schemas.errors import WireDecodeError
 from schemas.events import OutputEvent, decode_event, decode_output
 from workers.backends.base import RebuildWindow, StageEvent

@@ -36,10 +36,10 @@ from enum import Enum, auto
 
 import redis.asyncio as aioredis
 
-from coordinator.authority import SessionAuthority
-from coordinator.bus import Entry, RedisBus
-from coordinator.logs import session_extra
-from coordinator.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
+from dataplane.authority import SessionAuthority
+from dataplane.bus import Entry, RedisBus
+from dataplane.logs import session_extra
+from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
 from schemas.events import decode_control
@@ -247,7 +247,7 @@ class Worker:
                 await self.ownership.release(lease, hand_back=True)
             return
         published = {} if self.backend.rebuild.resumes_answers else takeover.published
-        actor = SessionActor(lease, self.ownership, self.backend, ctx, published)
+        actor = SessionActor(lease, self.ownership, self.backend, ctx, published, self.settings)
         ctx.emit = actor.emit
         serving = self._serve(actor)
         try:

@@ -68,7 +68,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from coordinator.request_ids import belongs_to_session, make_request_id
+from dataplane.request_ids import belongs_to_session, make_request_id
 from schemas.events import OutputEvent, OutputKind, VideoPayload
 from schemas.fence import Fence
 from workers.adapters.base import OutputChunk

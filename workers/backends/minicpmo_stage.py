@@ -57,7 +57,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.request_ids import make_request_id
+from dataplane.request_ids import make_request_id
 from schemas.errors import InvalidInputError
 from schemas.events import InputEvent, OutputEvent, OutputKind
 from schemas.fence import Fence

@@ -53,7 +53,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.request_ids import make_request_id
+from dataplane.request_ids import make_request_id
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Literal
 
-from coordinator.request_ids import parse_request_id
+from dataplane.request_ids import parse_request_id
 from schemas.events import (
     CommitPayload,
     OutputEvent,

@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from coordinator import scripts
+from dataplane import scripts
 from schemas.keys import Keys
 
 

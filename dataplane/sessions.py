@@ -2,7 +2,7 @@
 
 Everything that decides whether a fence is current and how a session moves
 from one fence to the next lives in this module. It is synchronous and does
-no I/O; the Redis authority (``coordinator.authority``) applies the same rules
+no I/O; the Redis authority (``dataplane.authority``) applies the same rules
 server-side and is tested against the same table.
 
 Theory of operation
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-from coordinator.request_ids import make_request_id, parse_request_id
+from dataplane.request_ids import make_request_id, parse_request_id
 from schemas.errors import (
     FenceMismatchError,
     ResourceExhaustedError,

@@ -4,7 +4,7 @@ Each script touches the keys of one session (one hash tag, one cluster slot)
 and runs atomically, so any coordinator or worker can serve any session and
 two of them can never hand out the same ``seq``, move an epoch backwards, or
 both own a (session, stage). The fence rule here is the one in
-``coordinator.sessions`` (the Python core); ``tests/test_authority.py`` runs
+``dataplane.sessions`` (the Python core); ``tests/test_authority.py`` runs
 the same table against both.
 
 Events are written as msgpack built in Lua with ``cmsgpack`` plus bytes the

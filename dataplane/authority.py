@@ -1,6 +1,6 @@
 """The session authority on Redis: open, append, accept, cancel, close.
 
-A thin shell over the Lua in ``coordinator.scripts``: it builds key lists,
+A thin shell over the Lua in ``dataplane.scripts``: it builds key lists,
 encodes what the scripts embed, and turns status words into typed results or
 the errors of ``schemas.errors``. Any number of coordinator processes can use
 it on the same session at once.
@@ -8,7 +8,7 @@ it on the same session at once.
 Every mutating call is idempotent across retries: each ``SessionAuthority`` is
 a producer with an id of its own, makes its calls on one session one at a time
 and numbers them; the script answers a repeated number with the reply it gave
-the first time (see ``coordinator.scripts``). So a reply lost to a dropped
+the first time (see ``dataplane.scripts``). So a reply lost to a dropped
 connection, which the bus retries, never appends an input twice, bumps an
 epoch twice or journals a notice twice (``tests/test_idempotence.py``).
 """
@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from coordinator.bus import RedisBus
-from coordinator.sessions import ALL_MODES
+from dataplane.bus import RedisBus
+from dataplane.sessions import ALL_MODES
 from schemas.config import PipelineConfig
 from schemas.errors import (
     FenceMismatchError,

@@ -1,0 +1,11 @@
+"""The data plane both sides of duplexq share: the coordinator and the stage workers
+import it, and it imports neither of them.
+
+- ``bus``: every Redis Streams detail (connections, retries, scripts, reads);
+- ``scripts``: the server-side Lua that changes a session's fence, leases and streams;
+- ``authority``: the session authority on Redis, over those scripts;
+- ``sessions``: the pure fence rule and session core (``FenceView``, ``SessionManager``);
+- ``request_ids``: the request-id codec;
+- ``metrics`` and ``logs``: Prometheus metrics and structured logs;
+- ``config``: settings and pipelines read from files and the environment.
+"""
