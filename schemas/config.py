@@ -54,8 +54,19 @@ class Settings(_Model):
     """How often a worker renews its leases; keep it at most a third of the TTL."""
     block_ms: int = Field(500, ge=10, le=30_000)
     """Longest a blocking stream read waits before the loop looks around again."""
+    sweep_ms: int = Field(1000, ge=10, le=600_000)
+    """How often a reader reads every stream it follows without waiting for a ring
+    (``dataplane.bells``): the bound on the delay a lost ring can cause."""
     read_batch: int = Field(64, ge=1, le=10_000)
     """Most entries one stream read returns; a stage catching up gets batches this big."""
+    coalesce_ms: int = Field(20, ge=0, le=1000)
+    """Coalescing window of a streaming answer: after its first output, which goes out at
+    once, a stage publishes its streamed outputs at most once per this many ms, each
+    publish carrying every output staged meanwhile (each still its own delta). A draft
+    waits at most this long; 0 publishes every streamed output at once."""
+    coalesce_max: int = Field(16, ge=1, le=1024)
+    """Streamed outputs a stage holds back at most before it publishes them, window or
+    not (a model streaming faster than this per window is published in batches this big)."""
     worker_capacity: int = Field(64, ge=1, le=100_000)
     """Most sessions one worker owns at once; it takes no new work when full."""
     max_session_failures: int = Field(3, ge=1, le=1000)

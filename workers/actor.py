@@ -21,6 +21,13 @@ Redis call. Non-flush drafts of a batch are published together with the
 progress cursor in one atomic step, which is what makes application
 exactly-once: a crash before that step re-delivers the events, after it they
 are skipped by ``seq``.
+
+Flush drafts (a streaming answer's tokens) are published ahead of the cursor,
+coalesced (``workers.coalesce``): an answer's first one at once, later ones
+together at most once per window or per ``cap`` drafts, and any still held when
+the answer ends then. Each stays its own output. A cancel discards what is held
+as it discards any staged draft: its publish is refused for the old epoch and
+the drafts are dropped and counted.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataplane.metrics import (
     PUBLISHES,
 )
 from dataplane.sessions import FenceView, fence_mismatch
+from schemas.config import Settings
 from schemas.errors import WireDecodeError
 from schemas.events import (
     ControlEvent,
@@ -55,6 +63,7 @@ from schemas.events import (
 )
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
+from workers.coalesce import COALESCE_DELAY, DEFAULT_POLICY, CoalescePolicy, Coalescer
 from workers.failpoints import failpoint
 from workers.ownership import (
     Lease,
@@ -68,6 +77,12 @@ log = logging.getLogger("duplexq.worker")
 
 PUBLISH_ATTEMPTS = 64
 """Most refusals one publish repairs (restamp or drop a group) before giving up."""
+
+
+class _Due(Enum):
+    """What waiting for the producer's next draft returns when held drafts are due."""
+
+    DUE = auto()
 
 
 class Step(Enum):
@@ -113,6 +128,7 @@ class SessionActor:
         backend: StageBackend,
         ctx: StageContext,
         published: Mapping[int, int] | None = None,
+        settings: Settings | None = None,
     ) -> None:
         self.lease = lease
         self._published_before = dict(published or {})
@@ -141,6 +157,7 @@ class SessionActor:
         self._proactive: list[OutputDraft] = []
         self.backlog: deque[tuple[int, int]] = deque()
         """(ms of a queued batch's first entry, its size), oldest first: lag and pending."""
+        self.coalesce = DEFAULT_POLICY if settings is None else CoalescePolicy.of(settings)
 
     def enqueue(self, batch: list[Entry]) -> None:
         """Queue a batch read from the stage's input (called by the data reader)."""
@@ -284,16 +301,31 @@ class SessionActor:
     async def _relay(
         self, drafts: asyncio.Queue[OutputDraft | None], fence: Fence, event: StageEvent
     ) -> None:
-        """Stage the producer's drafts as they come; flush drafts are published at once."""
-        while (draft := await drafts.get()) is not None:
+        """Stage the producer's drafts as they come; flush drafts are published as the
+        answer's ``Coalescer`` decides, and none is left held when the answer ends."""
+        coalescer = Coalescer(self.coalesce)
+        while (draft := await _next_draft(drafts, coalescer.deadline)) is not None:
+            if draft is _Due.DUE:
+                await self._publish_held(coalescer)
+                continue
             if not self.active or self.ctx.fence.epoch > fence.epoch:
                 continue  # released while queued: never published
             if self._published_before.get(event.seq, 0) > 0:
                 self._published_before[event.seq] -= 1
                 continue  # the previous owner published this one before it died
             self._stage(draft, fence, event.seq)
-            if draft.flush:
-                await self._flush(progress=False)
+            if draft.flush and coalescer.hold(_now()):
+                await self._publish_held(coalescer)
+        if coalescer.held:
+            await self._publish_held(coalescer)
+
+    async def _publish_held(self, coalescer: Coalescer) -> None:
+        """Publish what is staged, the drafts the coalescer holds among it."""
+        waits = coalescer.published(_now())
+        if self.active:
+            for wait in waits:
+                COALESCE_DELAY.observe(wait, stage=self.ctx.stage)
+            await self._flush(progress=False)
 
     async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
         # wait() neither raises the producer's error nor hides our own cancellation.
@@ -489,3 +521,26 @@ class SessionActor:
         """Stop producing and drop backend state; called once as the actor retires."""
         self.stop()
         await self.backend.stop(self.ctx)
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def _next_draft(
+    drafts: asyncio.Queue[OutputDraft | None], deadline: float | None
+) -> OutputDraft | _Due | None:
+    """The producer's next draft (None: it ended), or ``DUE`` once ``deadline`` passed.
+
+    Drafts already queued come first: they join the publish that is due."""
+    if not drafts.empty():
+        return drafts.get_nowait()
+    if deadline is None:
+        return await drafts.get()
+    if deadline <= _now():
+        return _Due.DUE
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await drafts.get()
+    except TimeoutError:
+        return _Due.DUE
