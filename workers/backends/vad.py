@@ -32,9 +32,19 @@ is released. A chunk that barges in therefore keeps its drafts (the
 ``speech_started`` and anything before it) in the session's outbox and
 interrupts last; once the new epoch is in, it hands them to ``ctx.emit``,
 which publishes them under the new fence at once (without ``emit``, the next
-chunk publishes them first). Every state change of a chunk is made before that single ``await``, so
-a cancel landing during it loses nothing. Windows run inline (about 0.3 ms
-each), which is also what keeps a chunk's state change atomic.
+chunk publishes them first). Every state change of a chunk is made before it
+interrupts, so a cancel landing during the interrupt loses nothing.
+
+The network runs off the event loop: all the windows of one event go to a
+thread in one hop (about 0.3 ms of inference per window), so the worker's
+loop goes on serving leases and other sessions meanwhile. Per session one
+event is detected at a time, in order: the next call waits for the one in
+flight, so the detector and the network's recurrent state are never touched
+by two threads. The hop is a task the session owns and is never cancelled
+(the thread would go on changing the state while the drafts were lost): a
+``handle`` cancelled during it leaves the chunk's drafts, and its speech start,
+to the next call, which hands them out first. A rebuild's replayed audio is
+detected in one hop, too.
 
 The network is loaded once per process from the ``silero-vad`` package (its
 ONNX file, run by onnxruntime); each session keeps its own recurrent state.
@@ -44,6 +54,7 @@ the user speaking.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import threading
@@ -239,6 +250,21 @@ class VadSession:
     segments: int = 0
     outbox: list[OutputDraft] = field(default_factory=list)
     """Drafts held back from a chunk that barged in; published with the next event."""
+    detecting: asyncio.Task[tuple[list[OutputDraft], bool]] | None = None
+    """An event's detection running in a thread (at most one per session)."""
+    fresh: list[OutputDraft] = field(default_factory=list)
+    """Drafts of detected events not yet handed out by ``handle``."""
+    fresh_start: bool = False
+    """Speech started in one of those events (the barge-in is still to be made)."""
+
+    def keep(self, drafts: list[OutputDraft], started: bool) -> None:
+        self.fresh += drafts
+        self.fresh_start = self.fresh_start or started
+
+    def take(self) -> tuple[list[OutputDraft], bool]:
+        taken = self.fresh, self.fresh_start
+        self.fresh, self.fresh_start = [], False
+        return taken
 
 
 class VadBackend:
@@ -291,10 +317,7 @@ class VadBackend:
         tail = _recent_audio(
             [e for e in inputs if e.seq > boundary], self.options.max_segment_s + 1
         )
-        replayed: list[OutputDraft] = []
-        for audio in tail:
-            with contextlib.suppress(AudioError):  # refused when first handled, too
-                replayed += self._feed(session, audio)[0]
+        replayed = await asyncio.to_thread(self._replay, session, tail)
         if announced:
             starts = [i for i, d in enumerate(replayed) if d.kind is OutputKind.SPEECH_STARTED]
             if starts:
@@ -303,7 +326,8 @@ class VadBackend:
 
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
         session = self._session(ctx)
-        new, started = self._consume(session, event)  # bad audio raises: the outbox stays
+        await self._detect(session, event)  # bad audio raises: the outbox stays
+        new, started = session.take()
         drafts, session.outbox = session.outbox + new, []
         if ctx.end_turn is not None and any(_ends_turn(draft) for draft in new):
             # The user's turn ended here, not by a client commit (which reserved the
@@ -324,13 +348,16 @@ class VadBackend:
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
         """Not called for continuous input; if it is, the audio still counts."""
         session = self._session(ctx)
-        session.outbox += self._consume(session, event)[0]
+        await self._detect(session, event)
+        session.outbox += session.take()[0]
 
     async def release(self, ctx: StageContext, fence: Fence) -> None:
         """Nothing to abort: the detector goes on listening through an interruption."""
 
     async def stop(self, ctx: StageContext) -> None:
-        ctx.state.pop(_STATE_KEY, None)
+        session = ctx.state.pop(_STATE_KEY, None)
+        if isinstance(session, VadSession):
+            await self._settle(session, raise_refusal=False)  # no thread outlives it
 
     async def aclose(self) -> None:
         """The network stays loaded for the process; sessions hold no resources."""
@@ -343,8 +370,46 @@ class VadBackend:
             session = ctx.state[_STATE_KEY] = self.new_session()
         return session
 
+    async def _detect(self, session: VadSession, event: StageEvent) -> None:
+        """Run one event through the detector; its drafts join ``session.fresh``.
+
+        An event with audio is detected in a thread, after the one in flight (a cancelled
+        call's), whose drafts come first; other events change the state inline."""
+        # A cancelled call's refused audio is not raised here: this event is not at fault.
+        await self._settle(session, raise_refusal=False)
+        if _audio_of(event) is None:
+            session.keep(*self._consume(session, event))
+            return
+        session.detecting = asyncio.create_task(
+            asyncio.to_thread(self._consume, session, event), name="vad detect"
+        )
+        await self._settle(session, raise_refusal=True)
+
+    async def _settle(self, session: VadSession, *, raise_refusal: bool) -> None:
+        """Wait for the detection in flight, if any, and keep its drafts in the session."""
+        job = session.detecting
+        if job is None:
+            return
+        await asyncio.wait([job])  # never cancels the job; a cancel of ours leaves it
+        session.detecting = None
+        if job.cancelled():
+            return  # only at loop shutdown: the session goes with it
+        if (exc := job.exception()) is None:
+            session.keep(*job.result())
+        elif raise_refusal:
+            raise exc
+
+    def _replay(self, session: VadSession, tail: Sequence[AudioPayload]) -> list[OutputDraft]:
+        """The drafts of a rebuild's audio (blocking: run in a thread)."""
+        replayed: list[OutputDraft] = []
+        for audio in tail:
+            with contextlib.suppress(AudioError):  # refused when first handled, too
+                replayed += self._feed(session, audio)[0]
+        return replayed
+
     def _consume(self, session: VadSession, event: StageEvent) -> tuple[list[OutputDraft], bool]:
-        """Drafts for one event and whether speech started in it (no awaits: atomic)."""
+        """Drafts for one event and whether speech started in it (blocking for audio: the
+        network runs; no awaits: atomic)."""
         audio = _audio_of(event)
         if audio is not None:
             return self._feed(session, audio)
