@@ -8,7 +8,8 @@ was already applied. A backend only
   recorded inputs and the outputs this stage already published (failover),
   as much of them as its ``rebuild`` window asks for,
 - ``handle``s one event, yielding drafts as they are ready (a streaming model
-  yields one per step; a ``flush`` draft is published at once),
+  yields one per step; ``flush`` drafts are published as they come, coalesced:
+  see ``workers.coalesce``),
 - ``absorb``s an event that arrived before an interruption (context only,
   nothing answers it) unless it declares ``continuous_input``,
 - ``release``s the work bound to a fence (barge-in, close, failover): abort
@@ -67,7 +68,8 @@ class OutputDraft:
     token_ids: tuple[int, ...] = ()
     meta: Mapping[str, str | int | float | bool] = field(default_factory=dict)
     flush: bool = False
-    """Publish at once instead of batching with the rest of the event's outputs."""
+    """Publish as it comes instead of batching with the rest of the event's outputs:
+    an answer's first at once, later ones coalesced (``workers.coalesce``)."""
 
 
 StageEvent = InputEvent | OutputEvent
