@@ -60,13 +60,11 @@ class Attachments:
         ``ok``, ``replaced`` (another connection took it) or ``closed``."""
         if not held:
             return {}
-        async with self.bus.client.pipeline(transaction=False) as pipe:
-            for session_id, attachment in held.items():
-                meta = self.bus.keys.session(session_id).meta
-                await self.bus.hold_script(
-                    keys=[meta], args=[attachment, now_ms + self.ttl_ms], client=pipe
-                )
-            replies = await pipe.execute()
+        calls = [
+            ([self.bus.keys.session(session_id).meta], [attachment, now_ms + self.ttl_ms])
+            for session_id, attachment in held.items()
+        ]
+        replies = await self.bus.run_many(self.bus.hold_script, calls)
         return {
             sid: r.decode() if isinstance(r, bytes) else str(r)
             for sid, r in zip(held, replies, strict=True)

@@ -137,12 +137,24 @@ def needs_expiry(status: str | None) -> bool:
 
 
 def session_of_key(prefix: str, key: str) -> str | None:
-    """The session id in a per-session key ``{prefix}:{sid}:...``, or None."""
-    head = f"{prefix}:{{"
-    end = key.rfind("}:")
-    if not key.startswith(head) or end < len(head):
+    """The session id in a per-session key ``{prefix}:{p<n>}:{sid}:<kind>``, or None.
+
+    The id may contain anything, ``:`` included; the kind is one of the fixed
+    suffixes, or ``st:<stage>`` / ``lease:<stage>`` (stage names have no ``:``)."""
+    head = f"{prefix}:{{p"
+    start = key.find("}:", len(head))
+    if not key.startswith(head) or start < 0:
         return None
-    return key[len(head) : end]
+    rest = key[start + 2 :]
+    body, _, tail = rest.rpartition(":")
+    if body.endswith((":st", ":lease")):
+        body = body.rpartition(":")[0]
+    elif tail not in _SESSION_KEY_KINDS:
+        return None
+    return body or None
+
+
+_SESSION_KEY_KINDS = frozenset({"meta", "in", "ctl", "out", "prog"})
 
 
 class RequeueBackoff:

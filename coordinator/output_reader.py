@@ -1,7 +1,7 @@
 """The output reader: follows sessions' client journals and drops what regressed.
 
 Stage workers append client-bound outputs to each session's journal stream
-(``dq:{sid}:out``) together with fence barriers (cancel, failover, close).
+(``dq:{p}:{sid}:out``) together with fence barriers (cancel, failover, close).
 The reader walks each attached session's journal in order, judges every
 output against the session's ``FenceView`` and yields the rest. Whatever
 buffer a stale output sat in, it stops here: an output of a cancelled epoch,
@@ -11,21 +11,26 @@ Drops are counted per reason.
 
 ``advance`` is how a cancel acknowledged by this process takes effect at once,
 before its barrier has been read from the journal.
+
+The reader does not read every attached journal on every round: it follows the
+coordinators' bells (``dataplane.bells``) and reads the journals that rang, a
+newly attached one at once, and all of them each ``sweep_ms``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from typing import NamedTuple
 
+from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
 from dataplane.metrics import DROPPED_STALE
 from dataplane.sessions import FenceView
 from schemas.errors import WireDecodeError
 from schemas.events import ControlEvent, OutputEvent, decode_control, decode_output
 from schemas.fence import Fence
+from schemas.keys import CLIENT
 
 
 class Delivery(NamedTuple):
@@ -84,14 +89,32 @@ class JournalFollower:
 class OutputReader:
     """Reads the client journals of attached sessions on one dedicated connection."""
 
-    def __init__(self, bus: RedisBus, *, block_ms: int = 500, batch: int = 256) -> None:
+    def __init__(
+        self, bus: RedisBus, *, block_ms: int = 500, batch: int = 256, sweep_ms: int = 1000
+    ) -> None:
         self.bus = bus
         self.block_ms = block_ms
         self.batch = batch
         self._follows: dict[str, JournalFollower] = {}
         self._retired: Counter[str] = Counter()
-        self._conn = bus.reader(block_ms)
-        self._attached = asyncio.Event()
+        self._dirty = Dirty(sweep_ms)
+        self._closing = False
+        self._bells = BellReader(
+            bus, CLIENT, self._ring, block_ms=block_ms, running=lambda: not self._closing
+        )
+        self._bell_task: asyncio.Task[None] | None = None
+
+    def _ring(self, session_id: str, _kind: str) -> None:
+        if session_id in self._follows:
+            self._dirty.mark(session_id)
+
+    async def aclose(self) -> None:
+        """Stop following the bells. The blocking bell read ends by itself within
+        ``block_ms``: cancelling it could leave its connection out of step."""
+        self._closing = True
+        if self._bell_task is not None:
+            await asyncio.wait([self._bell_task], timeout=self.block_ms / 1000 + 5)
+            self._bell_task = None
 
     @property
     def dropped(self) -> Counter[str]:
@@ -114,7 +137,7 @@ class OutputReader:
         if follower is None:
             follower = JournalFollower(session_id, fence, after)
         self._follows[session_id] = follower
-        self._attached.set()
+        self._dirty.mark(session_id)
 
     def detach(self, session_id: str) -> None:
         follow = self._follows.pop(session_id, None)
@@ -131,24 +154,42 @@ class OutputReader:
         return self._follows[session_id].view
 
     async def read(self, block_ms: int | None = None) -> list[Delivery]:
-        """One round: everything new across attached sessions, stale items removed."""
-        wait_ms = self.block_ms if block_ms is None else block_ms
-        if not self._follows:
-            # Nothing to follow: wait for an attach instead of spinning.
-            self._attached.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._attached.wait(), wait_ms / 1000)
+        """One round: everything new across the journals that have news, stale items
+        removed; waits up to ``block_ms`` for news when there is none."""
+        if self._closing:
             return []
-        follows = dict(self._follows)
-        streams = {self.bus.keys.session(sid).client: f.cursor for sid, f in follows.items()}
-        owners = {self.bus.keys.session(sid).client: f for sid, f in follows.items()}
-        entries = await self.bus.xread(self._conn, streams, self.batch, wait_ms)
+        if self._bell_task is None or self._bell_task.done():
+            self._bell_task = asyncio.create_task(self._bells.run(), name="journal bells")
+            await self._bells.started.wait()
+        streams = self._marked()
+        if not streams:
+            await self._dirty.wait(self.block_ms if block_ms is None else block_ms)
+            streams = self._marked()
+            if not streams:
+                return []
+        owners = {self.bus.keys.session(f.session_id).client: f for f in streams}
+        entries = await self.bus.xread_now(
+            {stream: f.cursor for stream, f in owners.items()}, self.batch
+        )
         delivered: list[Delivery] = []
+        counts: Counter[str] = Counter()
         for entry in entries:
-            follow = owners.get(entry.stream)
-            if follow is None or self._follows.get(follow.session_id) is not follow:
+            follow = owners[entry.stream]
+            counts[entry.stream] += 1
+            if self._follows.get(follow.session_id) is not follow:
                 continue  # detached meanwhile
             item = follow.judge(entry)
             if item is not None:
                 delivered.append(item)
+        for stream, count in counts.items():
+            if count >= self.batch:
+                self._dirty.mark(owners[stream].session_id)  # more to read
         return delivered
+
+    def _marked(self) -> list[JournalFollower]:
+        """The followers to read now (marked ones; all of them when a sweep is due)."""
+        if self._dirty.sweep_due():
+            self._dirty.mark_all(self._follows)
+        marked = [self._follows[sid] for sid in self._dirty.pending if sid in self._follows]
+        self._dirty.pending.clear()
+        return marked

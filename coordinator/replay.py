@@ -1,6 +1,6 @@
 """Replay: run a recorded session's input log again, into a new session, and compare.
 
-``replay_session`` reads the source's input log (``dq:{src}:in``) in order,
+``replay_session`` reads the source's input log (``dq:{p}:{src}:in``) in order,
 opens the target session (with the source's input capabilities) and appends
 each input's mode and payload; the authority stamps fresh fences, seqs and
 timestamps. Inputs go as fast as possible or at the recorded pace (the gaps

@@ -26,9 +26,10 @@ class Coordinator:
         self.pipeline = pipeline
         self.bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
         self.authority = SessionAuthority(self.bus, pipeline)
-        self.reader = OutputReader(self.bus, block_ms=settings.block_ms)
+        self.reader = OutputReader(self.bus, block_ms=settings.block_ms, sweep_ms=settings.sweep_ms)
 
     async def aclose(self) -> None:
+        await self.reader.aclose()
         await self.bus.aclose()
 
     async def open(self, session_id: str, capabilities: Iterable[InputMode] | None = None) -> Fence:

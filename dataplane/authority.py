@@ -29,7 +29,7 @@ import msgspec
 
 from dataplane.bus import RedisBus
 from dataplane.sessions import ALL_MODES
-from schemas.config import PipelineConfig
+from schemas.config import SESSION_INPUT, PipelineConfig
 from schemas.errors import (
     FenceMismatchError,
     SessionClosedError,
@@ -39,6 +39,7 @@ from schemas.errors import (
 )
 from schemas.events import PAYLOAD_FOR_MODE, InputMode, OutputKind, Payload
 from schemas.fence import Fence, require_fence
+from schemas.keys import CLIENT
 
 _tail_encoder = msgspec.msgpack.Encoder()
 
@@ -81,6 +82,8 @@ class SessionAuthority:
     def __init__(self, bus: RedisBus, pipeline: PipelineConfig) -> None:
         self.bus = bus
         self.pipeline = pipeline
+        self._input_readers = [s.name for s in pipeline.stages if s.input == SESSION_INPUT]
+        """The stages that read the session's input log: an append rings their bells."""
         self.producer = secrets.token_hex(8)
         """This authority's producer id in the scripts' retry detection."""
         self._numbers = itertools.count(1)
@@ -103,11 +106,12 @@ class SessionAuthority:
             return await self.bus.run(script, keys, [*args, self.producer, number])
 
     def script_keys(self, session_id: str) -> list[str]:
-        """KEYS for the lifecycle scripts: meta in ctl out prog, then (stage out, lease)*."""
+        """KEYS for the lifecycle scripts: meta in ctl out prog client_bell, then
+        (stage out, lease, bell)*."""
         sk = self.bus.keys.session(session_id)
-        keys = [sk.meta, sk.input, sk.control, sk.client, sk.progress]
+        keys = [sk.meta, sk.input, sk.control, sk.client, sk.progress, sk.bell(CLIENT)]
         for name in self.pipeline.stage_names:
-            keys += [sk.stage_out(name), sk.lease(name)]
+            keys += [sk.stage_out(name), sk.lease(name), sk.bell(name)]
         return keys
 
     def _raise(self, session_id: str, reply: list[Any]) -> None:
@@ -178,7 +182,7 @@ class SessionAuthority:
         reply = await self._call(
             self.bus.append_script,
             session_id,
-            [sk.meta, sk.input],
+            [sk.meta, sk.input, *(sk.bell(name) for name in self._input_readers)],
             [session_id, checked.value, tail, *given],
         )
         if reply[0] != "ok":
@@ -294,7 +298,10 @@ class SessionAuthority:
             }
         )[1:]
         reply = await self._call(
-            self.bus.journal_script, session_id, [sk.meta, sk.client], [session_id, tail]
+            self.bus.journal_script,
+            session_id,
+            [sk.meta, sk.client, sk.bell(CLIENT)],
+            [session_id, tail],
         )
         if reply[0] != "ok":
             self._raise(session_id, reply)

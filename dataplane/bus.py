@@ -22,7 +22,8 @@ or harmless when repeated (an assignment entry offered twice is taken once).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
@@ -33,7 +34,18 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
+from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
+
+
+def hash_tag(key: str) -> str:
+    """The part of ``key`` Redis Cluster hashes: the first non-empty ``{...}``."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
 
 
 class Entry(NamedTuple):
@@ -86,7 +98,26 @@ class _ReconnectingPool(aioredis.ConnectionPool):
         return await retry.call_with_retry(lambda: checkout(*args, **kwargs), _no_cleanup)
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+"""URL schemes that name a Redis Cluster (any of its nodes) instead of one Redis."""
+
+
+def _cluster_client(url: str, **options: Any) -> Any:
+    """A Redis Cluster client: commands go to the node serving their keys' slot, and
+    the slot map is refreshed when a primary fails over to its replica."""
+    from redis.asyncio.cluster import RedisCluster
+
+    options.pop("single_connection_client", None)
+    options.pop("health_check_interval", None)
+    plain = url.replace("+cluster", "", 1)
+    return RedisCluster.from_url(
+        plain, cluster_error_retry_attempts=10, connection_error_retry_attempts=10, **options
+    )
+
+
 def _client(url: str, **options: Any) -> aioredis.Redis:
+    if url.startswith(CLUSTER_SCHEMES):
+        return cast(aioredis.Redis, _cluster_client(url, **options))
     single = bool(options.pop("single_connection_client", False))
     pool = _ReconnectingPool.from_url(url, **options)
     client = aioredis.Redis(connection_pool=pool, single_connection_client=single)
@@ -100,6 +131,8 @@ class RedisBus:
     def __init__(self, url: str, keys: Keys | None = None, *, command_timeout: float = 5.0):
         self.url = url
         self.keys = keys or Keys()
+        self.cluster = url.startswith(CLUSTER_SCHEMES)
+        """True on Redis Cluster: multi-key reads are split per slot."""
         self._command_timeout = command_timeout
         self.client: aioredis.Redis = _client(
             url,
@@ -110,6 +143,8 @@ class RedisBus:
             health_check_interval=30,
         )
         self._readers: list[aioredis.Redis] = []
+        self._replicated = ReplicatedRunner(self.client) if self.cluster else None
+        """On a cluster, scripts are acknowledged once a replica has their writes."""
         self.open_script = self._register(scripts.OPEN)
         self.append_script = self._register(scripts.APPEND)
         self.accept_script = self._register(scripts.ACCEPT)
@@ -148,17 +183,41 @@ class RedisBus:
         await self.client.aclose()
 
     async def ping(self) -> bool:
+        """Whether Redis answers within the command timeout: a probe (readiness) must
+        not wait through the retries a command gets."""
         try:
-            return bool(await self.client.ping())
-        except (RedisConnectionError, RedisTimeoutError, OSError):
+            async with asyncio.timeout(self._command_timeout):
+                return bool(await self.client.ping())
+        except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
             return False
 
     async def run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
         """Run a registered script; replies are normalized to str/int lists."""
-        reply = await script(keys=list(keys), args=list(args))
+        if self._replicated is not None:
+            reply = await self._replicated.run(script, list(keys), list(args))
+        else:
+            reply = await script(keys=list(keys), args=list(args))
         if isinstance(reply, list):
             return [_text(item) if isinstance(item, bytes) else item for item in reply]
         return [reply]
+
+    async def run_many(
+        self, script: Any, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Run a script once per (keys, args), in one round trip on a single Redis; on a
+        cluster (which refuses scripts in pipelines) concurrently, one call per slot's
+        node. Replies in call order, unnormalised."""
+        if not calls:
+            return []
+        if self._replicated is not None:
+            runner = self._replicated
+            return list(
+                await asyncio.gather(*(runner.run(script, list(k), list(a)) for k, a in calls))
+            )
+        async with self.client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await script(keys=list(keys), args=list(args), client=pipe)
+            return list(await pipe.execute())
 
     async def xread(
         self, conn: aioredis.Redis, streams: Mapping[str, str], count: int, block_ms: int | None
@@ -168,6 +227,35 @@ class RedisBus:
         request: dict[Any, Any] = dict(streams)
         reply = await conn.xread(request, count=count, block=block_ms)
         return parse_read_reply(reply)
+
+    async def xread_now(self, streams: Mapping[str, str], count: int) -> list[Entry]:
+        """Read many streams without blocking, one XREAD per cluster slot."""
+        groups = self.slot_groups(streams)
+        if len(groups) == 1:
+            return await self.xread(self.client, streams, count, None)
+        replies = await asyncio.gather(
+            *(self.xread(self.client, {k: streams[k] for k in keys}, count, None)
+              for keys in groups)
+        )  # fmt: skip
+        return [entry for reply in replies for entry in reply]
+
+    def slot_groups(self, keys: Iterable[str]) -> list[list[str]]:
+        """``keys`` split into groups one multi-key command may touch: all of them on a
+        single Redis; one group per hash tag on a cluster."""
+        listed = list(keys)
+        if not self.cluster or not listed:
+            return [listed]
+        groups: dict[str, list[str]] = {}
+        for key in listed:
+            groups.setdefault(hash_tag(key), []).append(key)
+        return list(groups.values())
+
+    async def tails(self, streams: Sequence[str]) -> dict[str, str]:
+        """The id of each stream's newest entry ("0-0" for an empty or missing one)."""
+        tails: dict[str, str] = {}
+        for stream in streams:
+            tails[stream] = await self.last_id(stream) or "0-0"
+        return tails
 
     async def xrange(
         self, stream: str, start: str = "-", end: str = "+", count: int | None = None

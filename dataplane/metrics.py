@@ -191,3 +191,9 @@ async def serve_metrics(host: str, port: int) -> asyncio.AbstractServer:
             writer.close()
 
     return await asyncio.start_server(handle, host, port)
+
+
+UNREPLICATED_WRITES = REGISTRY.counter(
+    "duplexq_unreplicated_writes_total",
+    "Scripts a Redis Cluster primary acknowledged with no replica attached.",
+)

@@ -11,13 +11,19 @@ Events are written as msgpack built in Lua with ``cmsgpack`` plus bytes the
 caller encoded with msgspec, so what lands in a stream decodes with
 ``schemas.events`` like any other event.
 
-Stage keys come last in KEYS as (stage output stream, stage lease) pairs.
+Stage keys come last in KEYS as (stage output stream, stage lease, stage
+bell) triples. Every script that writes a stream rings the bell of each
+consumer of that stream (``schemas.keys``), in the same atomic step.
 Replies are arrays whose first element is a status word.
 """
 
 from __future__ import annotations
 
-PRELUDE = r"""
+from schemas.keys import BELL_LENGTH
+
+PRELUDE = (
+    f"local BELL_LENGTH = {BELL_LENGTH}\n"
+    + r"""
 local function pack_fence(sid, inc, ep, tu, rs)
   return cmsgpack.pack({sid, inc, ep, tu, rs})
 end
@@ -73,17 +79,28 @@ local function remember(meta, reply)
   return reply
 end
 
--- Append a fence barrier to the client journal and every stage stream.
+-- Tell a consumer that a session's streams for it changed (kind 'd': data,
+-- 'c': control). The bell is capped; readers sweep now and then for lost rings.
+local function ring(bell, sid, kind)
+  redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', 's', sid, 'k', kind)
+end
+
+-- Lifecycle scripts' KEYS: meta in ctl out prog client_bell (stage_out lease bell)*.
+-- Append a fence barrier to the client journal and every stage stream, and ring
+-- every consumer: the session's control stream changed too.
 -- Streams are trimmed only by the control plane, which knows what is still unread.
-local function barrier(first_stage_key, control)
+local function barrier(control, sid)
   redis.call('XADD', KEYS[4], '*', 'c', control)
-  for i = first_stage_key, #KEYS, 2 do
+  ring(KEYS[6], sid, 'c')
+  for i = 7, #KEYS, 3 do
     redis.call('XADD', KEYS[i], '*', 'c', control)
+    ring(KEYS[i + 2], sid, 'c')
   end
 end
 """
+)
 
-# KEYS: meta in ctl out prog (stage_out lease)*
+# KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
 # ARGV: sid caps now_ms requested_inc(-1: next free) producer pseq
 OPEN = r"""
 local again = replayed(KEYS[1])
@@ -95,7 +112,8 @@ if status then
   oldinc = tonumber(oldinc)
   if inc < 0 then inc = oldinc + 1 end
   if inc <= oldinc then return {'mismatch', 'incarnation', oldinc} end
-  for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  for i = 7, #KEYS, 3 do redis.call('DEL', KEYS[i], KEYS[i + 1]) end
 elseif inc < 0 then
   inc = 0
 end
@@ -108,7 +126,7 @@ redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonum
 return remember(KEYS[1], {'ok', inc})
 """
 
-# KEYS: meta in
+# KEYS: meta in bell*   (the bells of the stages reading the session's input)
 # ARGV: sid mode tail given(0|1) inc ep tu rs producer pseq
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
 APPEND = r"""
@@ -141,6 +159,7 @@ local event = string.char(0x87)
   .. cmsgpack.pack('turn_seq') .. cmsgpack.pack(tseq)
   .. ARGV[3]
 local id = redis.call('XADD', KEYS[2], '*', 'e', event)
+for i = 3, #KEYS do ring(KEYS[i], ARGV[1], 'd') end
 return remember(KEYS[1], {'ok', seq, tseq, inc, ep, tu, rs, id})
 """
 
@@ -157,7 +176,7 @@ redis.call('HSET', KEYS[1], 'epoch', ARGV[2], 'turn', ARGV[3], 'resp', ARGV[4])
 return {'ok'}
 """
 
-# KEYS: meta in ctl out prog (stage_out lease)*
+# KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
 # ARGV: sid reason now_ms expect_epoch(-1: any) producer pseq
 CANCEL = r"""
 local again = replayed(KEYS[1])
@@ -172,11 +191,11 @@ redis.call('HSET', KEYS[1], 'epoch', ep + 1)
 local control = pack_control('cancel', pack_fence(ARGV[1], inc, ep + 1, tu, rs),
   pack_fence(ARGV[1], inc, ep, tu, rs), ARGV[2], tonumber(ARGV[3]))
 redis.call('XADD', KEYS[3], '*', 'c', control)
-barrier(6, control)
+barrier(control, ARGV[1])
 return remember(KEYS[1], {'ok', inc, ep + 1, tu, rs})
 """
 
-# KEYS: meta in ctl out prog (stage_out lease)*
+# KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
 # ARGV: sid reason now_ms expect_inc(-1: any) ttl_s idle_before_ms(0: always) producer pseq
 # With idle_before_ms, only a session a client connection attached to once and
 # whose attachment lapsed before that time is closed; otherwise {'attached'}.
@@ -197,19 +216,19 @@ redis.call('HSET', KEYS[1], 'status', 'closed', 'closed_ms', ARGV[3])
 local control = pack_control('close', pack_fence(ARGV[1], inc, ep, tu, rs), nil, ARGV[2],
   tonumber(ARGV[3]))
 redis.call('XADD', KEYS[3], '*', 'c', control)
-barrier(6, control)
-for i = 1, #KEYS do
-  if i < 6 or i % 2 == 0 then redis.call('EXPIRE', KEYS[i], ARGV[5]) end
-end
+barrier(control, ARGV[1])
+for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+for i = 7, #KEYS, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return remember(KEYS[1], {'ok', inc, ep, tu, rs})
 """
 
-# KEYS: meta in ctl out prog (stage_out lease)*  -- the stage's own pair is KEYS[6], KEYS[7]
+# KEYS: meta in ctl out prog client_bell (stage_out lease bell)*  -- the stage's own
+# triple comes first: KEYS[7], KEYS[8], KEYS[9]
 # ARGV: sid stage worker token ttl_ms now_ms
 ACQUIRE = r"""
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if m[1] ~= 'open' then return {'closed'} end
-local holder = redis.call('GET', KEYS[7])
+local holder = redis.call('GET', KEYS[8])
 local stage = ARGV[2]
 if holder and holds(holder, ARGV[4]) then
   -- A retry of an acquire that succeeded (its reply was lost): the same grant again.
@@ -228,10 +247,10 @@ if owners > 0 then
   local control = pack_control('failover', pack_fence(ARGV[1], inc + 1, ep, tu, rs),
     pack_fence(ARGV[1], inc, ep, tu, rs), stage, tonumber(ARGV[6]))
   redis.call('XADD', KEYS[3], '*', 'c', control)
-  barrier(6, control)
+  barrier(control, ARGV[1])
   inc = inc + 1
 end
-redis.call('SET', KEYS[7], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5])
+redis.call('SET', KEYS[8], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5])
 redis.call('HINCRBY', KEYS[5], stage .. ':owners', 1)
 local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
 return {'ok', inc, ep, tu, rs, failover, tonumber(p[1] or '0'), p[2] or '0-0',
@@ -256,8 +275,9 @@ end
 return 0
 """
 
-# KEYS: meta lease prog stage_out client_out
-# ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups,
+# KEYS: meta lease prog stage_out client_out bell*  (the bells of the stages reading
+#       this stage, and the client bell for a client-facing stage)
+# ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups sid,
 #       then per group: inc ep tu rs n, the n events for the stage's own stream,
 #       and (to_client only) the n events for the client journal
 # A client-facing stage that no stage reads passes its own stream's copies
@@ -282,7 +302,7 @@ then
   return {'ok', 0}
 end
 local groups = {}
-local at = 9
+local at = 10
 for g = 1, tonumber(ARGV[8]) do
   local inc, ep, tu, rs = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
     tonumber(ARGV[at + 3])
@@ -299,7 +319,9 @@ for g = 1, tonumber(ARGV[8]) do
   if ARGV[5] == '1' then at = at + n end
 end
 local last_sn = 0
+local written = 0
 for _, span in ipairs(groups) do
+  written = written + span[2]
   for i = span[1], span[1] + span[2] - 1 do
     redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
     if ARGV[5] == '1' then
@@ -307,6 +329,9 @@ for _, span in ipairs(groups) do
       redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', last_sn)
     end
   end
+end
+if written > 0 then
+  for i = 6, #KEYS do ring(KEYS[i], ARGV[9], 'd') end
 end
 local applied = tonumber(ARGV[3])
 if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') then
@@ -316,7 +341,7 @@ if tonumber(ARGV[7]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV
 return {'ok', last_sn}
 """
 
-# KEYS: meta out
+# KEYS: meta out client_bell
 # ARGV: sid tail producer pseq
 # A coordinator notice into the client journal, stamped with the session's
 # current fence and the next server_event_seq (also its output seq), so it is
@@ -335,6 +360,7 @@ local event = string.char(0x8b)
   .. cmsgpack.pack('seq') .. cmsgpack.pack(n)
   .. ARGV[2]
 redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
+ring(KEYS[3], ARGV[1], 'd')
 return remember(KEYS[1], {'ok', n})
 """
 

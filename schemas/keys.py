@@ -1,28 +1,38 @@
 """Every Redis key duplexq uses, named in this one module.
 
-Per-session keys carry the hash tag ``{session_id}`` so that one session's
-keys live in one Redis Cluster slot and a Lua script may touch them together.
-Global keys (assignment streams, indexes, metrics) are written with separate
-commands, never from a per-session script.
+Sessions are spread over ``PARTITIONS`` partitions by a hash of their id. A
+session's keys carry its partition as the hash tag (``{p7}``), so one
+session's keys, and the partition's bells, live in one Redis Cluster slot: a
+Lua script may touch them together, and one XREAD may read many sessions of a
+partition. Global keys (assignment streams, indexes, metrics) are written with
+separate commands, never from a per-session script.
+
+A bell is a partition's doorbell for one consumer (a stage, or the
+coordinators' journal readers, ``CLIENT``): every script that writes a
+stream a consumer reads rings that consumer's bell in the same step with the
+session id. Readers block on their bells (O(partitions) keys) and then read
+only the sessions that rang, never every session they follow.
 
 ==========================  ======  =============================================
 key                         type    contents
 ==========================  ======  =============================================
-dq:{sid}:meta               hash    fence authority: inc, epoch, turn, resp, seq,
+dq:{p}:{sid}:meta           hash    fence authority: inc, epoch, turn, resp, seq,
                                     tseq, tkey, oseq, status, caps, timestamps
-dq:{sid}:in                 stream  session input log (field ``e``: InputEvent)
-dq:{sid}:ctl                stream  session control (field ``c``: ControlEvent)
-dq:{sid}:st:{stage}         stream  a stage's accepted outputs (``e``) and fence
+dq:{p}:{sid}:in             stream  session input log (field ``e``: InputEvent)
+dq:{p}:{sid}:ctl            stream  session control (field ``c``: ControlEvent)
+dq:{p}:{sid}:st:{stage}     stream  a stage's accepted outputs (``e``) and fence
                                     barriers (``c``)
-dq:{sid}:out                stream  client journal: outputs for the client with
+dq:{p}:{sid}:out            stream  client journal: outputs for the client with
                                     their ``server_event_seq`` (``n``)
-dq:{sid}:lease:{stage}      string  lease of (session, stage): "worker token inc"
-dq:{sid}:prog               hash    per-stage progress: applied seq, read position,
+dq:{p}:{sid}:lease:{stage}  string  lease of (session, stage): "worker token inc"
+dq:{p}:{sid}:prog           hash    per-stage progress: applied seq, read position,
                                     output seq, owner count
 dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
 dq:workers:{stage}          zset    worker id -> last heartbeat (ms)
-dq:wake:{worker}            stream  wakes a worker's blocking reads (capped)
+dq:bell:{p}:{consumer}      stream  session ids whose streams for ``consumer``
+                                    changed (field ``s``; ``k``: ``d`` data,
+                                    ``c`` control), capped at ``BELL_LENGTH``
 dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
 dq:sessions                 zset    open session ids -> opened at (ms)
 dq:metrics                  hash    counters shared by all processes
@@ -31,17 +41,29 @@ dq:metrics                  hash    counters shared by all processes
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 DEFAULT_PREFIX = "dq"
+PARTITIONS = 16
+"""Partitions sessions are spread over: the most Redis Cluster primaries the data
+plane can use, and the number of bells each reader follows. Fixed by the product:
+every process of a deployment derives the same key names from it."""
+CLIENT = "@client"
+"""The bell consumer name of the coordinators' journal readers."""
+BELL_LENGTH = 10_000
+"""Entries a bell keeps (approximately); a reader further behind than that misses
+rings and finds those sessions on its next sweep."""
 ASSIGN_GROUP = "workers"
 """Consumer group every stage's workers share on ``dq:assign:{stage}``."""
 
 
 @dataclass(frozen=True, slots=True)
 class SessionKeys:
-    """The keys of one session, all in one cluster slot."""
+    """The keys of one session, all in its partition's cluster slot."""
 
+    partition: int
     meta: str
     input: str
     control: str
@@ -56,6 +78,35 @@ class SessionKeys:
     def lease(self, stage: str) -> str:
         return f"{self.tag}:lease:{stage}"
 
+    def bell(self, consumer: str) -> str:
+        """The bell of ``consumer`` in this session's partition."""
+        return bell_key(self.prefix, self.partition, consumer)
+
+
+def partition_of(session_id: str) -> int:
+    """The partition of a session: a stable hash of its id."""
+    return zlib.crc32(session_id.encode()) % PARTITIONS
+
+
+def bell_key(prefix: str, partition: int, consumer: str) -> str:
+    return f"{prefix}:bell:{{p{partition}}}:{consumer}"
+
+
+@lru_cache(maxsize=65_536)
+def _session_keys(prefix: str, session_id: str) -> SessionKeys:
+    partition = partition_of(session_id)
+    tag = f"{prefix}:{{p{partition}}}:{session_id}"
+    return SessionKeys(
+        partition=partition,
+        meta=f"{tag}:meta",
+        input=f"{tag}:in",
+        control=f"{tag}:ctl",
+        client=f"{tag}:out",
+        progress=f"{tag}:prog",
+        tag=tag,
+        prefix=prefix,
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class Keys:
@@ -64,16 +115,11 @@ class Keys:
     prefix: str = DEFAULT_PREFIX
 
     def session(self, session_id: str) -> SessionKeys:
-        tag = f"{self.prefix}:{{{session_id}}}"
-        return SessionKeys(
-            meta=f"{tag}:meta",
-            input=f"{tag}:in",
-            control=f"{tag}:ctl",
-            client=f"{tag}:out",
-            progress=f"{tag}:prog",
-            tag=tag,
-            prefix=self.prefix,
-        )
+        return _session_keys(self.prefix, session_id)
+
+    def bells(self, consumer: str) -> list[str]:
+        """``consumer``'s bell in every partition, in partition order."""
+        return [bell_key(self.prefix, p, consumer) for p in range(PARTITIONS)]
 
     def assign(self, stage: str) -> str:
         return f"{self.prefix}:assign:{stage}"
@@ -83,10 +129,6 @@ class Keys:
 
     def workers(self, stage: str) -> str:
         return f"{self.prefix}:workers:{stage}"
-
-    def wake(self, worker_id: str) -> str:
-        """A worker's own stream; writing to it ends the worker's blocking reads early."""
-        return f"{self.prefix}:wake:{worker_id}"
 
     def resume(self, token_digest: str) -> str:
         """Resume-token index: sha256 of a session's resume token -> session id."""
@@ -102,4 +144,4 @@ class Keys:
 
     def session_pattern(self) -> str:
         """SCAN pattern matching every per-session key."""
-        return f"{self.prefix}:{{*}}:*"
+        return f"{self.prefix}:{{p*}}:*"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
 
 _prefixes = itertools.count()
@@ -31,3 +32,23 @@ async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redi
     client = aioredis.Redis.from_url(redis_server.url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """One real local Redis Cluster (3 primaries, 3 replicas) for the test session."""
+    cluster = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The URL of a real single Redis, then of a real Redis Cluster: tests taking it run
+    on both."""
+    if request.param == "cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    return str(request.getfixturevalue("redis_server").url)

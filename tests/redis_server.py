@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from schemas.config import REDIS_PERSISTENCE
@@ -27,7 +28,9 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process; ``restart()`` keeps its data dir (and AOF)."""
 
-    def __init__(self, workdir: Path, *, appendonly: bool = True) -> None:
+    def __init__(
+        self, workdir: Path, *, appendonly: bool = True, extra: Sequence[str] = ()
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; run scripts/setup")
@@ -35,6 +38,8 @@ class RedisServer:
         self.workdir = workdir
         self.appendonly = appendonly
         """False only for a test that needs a Redis which forgets (none by default)."""
+        self.extra = list(extra)
+        """More redis-server options (a cluster node's)."""
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -53,6 +58,7 @@ class RedisServer:
             *(REDIS_PERSISTENCE if self.appendonly else ("--appendonly", "no")),
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.workdir / "redis.log"),
+            *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -70,6 +76,10 @@ class RedisServer:
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(64).startswith(b"+PONG")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None:

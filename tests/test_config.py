@@ -9,7 +9,7 @@ from schemas.config import (
     echo_pipeline,
     load_pipeline,
 )
-from schemas.keys import Keys
+from schemas.keys import Keys, partition_of
 
 
 def _stages(*specs):
@@ -97,7 +97,9 @@ def test_session_keys_share_one_hash_tag():
         sk.stage_out("x"),
         sk.lease("x"),
     ]
-    assert all(key.startswith("dq:{a{b}c}:") for key in tagged)
+    head = f"dq:{{p{partition_of('a{b}c')}}}:a{{b}}c:"
+    assert all(key.startswith(head) for key in tagged)
+    assert sk.bell("x") == f"dq:bell:{{p{sk.partition}}}:x"
     assert len(set(tagged)) == len(tagged)
 
 

@@ -38,7 +38,7 @@ from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
 from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import ControlKind, TextPayload, decode_control, decode_input
-from schemas.keys import ASSIGN_GROUP
+from schemas.keys import ASSIGN_GROUP, Keys
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
 from tests.redis_server import RedisServer
 
@@ -119,11 +119,15 @@ def test_plan_audit():
 def test_needs_expiry_and_session_of_key():
     assert not needs_expiry("open")
     assert needs_expiry("closed") and needs_expiry(None)
-    assert session_of_key("dq", "dq:{s1}:meta") == "s1"
-    assert session_of_key("dq", "dq:{a}:b}:st:x") == "a}:b"
+    keys = Keys("dq")
+    for sid in ("s1", "a}:b", "x:st:y", "q:lease:r:meta"):
+        sk = keys.session(sid)
+        for key in (sk.meta, sk.input, sk.client, sk.stage_out("x"), sk.lease("y")):
+            assert session_of_key("dq", key) == sid
     assert session_of_key("dq", "dq:assign:x") is None
-    assert session_of_key("dq", "dqx:{s1}:meta") is None
-    assert session_of_key("dq", "dq:{}:meta") == ""
+    assert session_of_key("dq", keys.bells("x")[3]) is None
+    assert session_of_key("dq", "dqx:{p1}:s1:meta") is None
+    assert session_of_key("dq", "dq:{p1}:s1:other") is None
 
 
 def test_requeue_backoff_doubles_and_resets():
@@ -406,22 +410,23 @@ async def test_expire_closed_is_a_safety_net(settings, coordinator, ctx):
     await _append(coordinator, "live", ["x"])
     await _append(coordinator, "done", ["y"])
     await coordinator.close("done")
-    done_keys = await client.keys(f"{bus.keys.prefix}:{{done}}:*")
+    done_keys = await client.keys(f"{bus.keys.session('done').tag}:*")
     assert len(done_keys) >= 4
     for key in done_keys:
         await client.persist(key)  # the close's EXPIRE got lost
     kept = bus.keys.session("done").input
     await client.expire(kept, 5000)  # a TTL already set is left alone
     await client.zadd(bus.keys.sessions, {"done": 1})
-    await client.xadd(f"{bus.keys.prefix}:{{leftover}}:in", {"e": b"x"})  # no meta at all
+    leftover = bus.keys.session("leftover").input
+    await client.xadd(leftover, {"e": b"x"})  # no meta at all
     result = await expire_closed(ctx)
     assert result["forgotten"] == 1
     assert result["keys_expired"] == len(done_keys)  # all but one, plus the leftover
     for key in done_keys:
         ttl = await client.ttl(key)
         assert (ttl > 100) if key.decode() == kept else (0 < ttl <= 100)
-    assert 0 < await client.ttl(f"{bus.keys.prefix}:{{leftover}}:in") <= 100
-    for key in await client.keys(f"{bus.keys.prefix}:{{live}}:*"):
+    assert 0 < await client.ttl(leftover) <= 100
+    for key in await client.keys(f"{bus.keys.session('live').tag}:*"):
         assert await client.ttl(key) == -1
     assert await client.zscore(bus.keys.sessions, "done") is None
     assert await client.zscore(bus.keys.sessions, "live") is not None
@@ -431,7 +436,8 @@ async def test_burst_runs_each_periodic_job_once(settings, coordinator):
     bus = coordinator.bus
     await coordinator.open("s1")
     await coordinator.close("s1")
-    keys = await bus.client.keys(f"{bus.keys.prefix}:{{s1}}:*")
+    keys = await bus.client.keys(f"{bus.keys.session('s1').tag}:*")
+    assert keys
     for key in keys:
         await bus.client.persist(key)
     worker = await run_control(settings, ECHO, burst=True, handle_signals=False)

@@ -15,8 +15,9 @@ from tests.processes import WorkerProcess, wait_for_file, write_pipeline
 
 
 @pytest.fixture
-def settings(redis_server, key_prefix):
-    return fast_settings(redis_server.url, key_prefix)
+def settings(redis_url, key_prefix):
+    """Every test here runs on one Redis and on a Redis Cluster."""
+    return fast_settings(redis_url, key_prefix)
 
 
 @contextlib.contextmanager

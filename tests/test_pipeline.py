@@ -16,8 +16,9 @@ from workers.runtime import Worker
 
 
 @pytest.fixture
-def settings(redis_server, key_prefix):
-    return fast_settings(redis_server.url, key_prefix)
+def settings(redis_url, key_prefix):
+    """Every test here runs on one Redis and on a Redis Cluster."""
+    return fast_settings(redis_url, key_prefix)
 
 
 async def test_echo_outputs_reach_the_reader_in_order(settings):

@@ -22,6 +22,7 @@ from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
 from schemas.events import OutputEvent, OutputKind, encode_event
 from schemas.fence import Fence
+from schemas.keys import CLIENT
 
 
 class Lease(NamedTuple):
@@ -88,14 +89,17 @@ class StageOwnership:
         the client journal (its own stream serves rebuilds, which never need it)."""
         self._authority = SessionAuthority(bus, pipeline)
         self._stage_index = pipeline.stage_names.index(stage)
+        self._consumers = list(pipeline.downstream(stage))
+        """Who reads what this stage publishes: a publish rings their bells."""
+        if self.to_client:
+            self._consumers.append(CLIENT)
 
     def _lifecycle_keys(self, session_id: str) -> list[str]:
-        # The scripts expect this stage's (output, lease) pair at KEYS[6], KEYS[7].
+        # The scripts expect this stage's (output, lease, bell) triple first, at KEYS[7].
         keys = self._authority.script_keys(session_id)
-        head, pairs = keys[:5], keys[5:]
-        mine = pairs[2 * self._stage_index : 2 * self._stage_index + 2]
-        others = pairs[: 2 * self._stage_index] + pairs[2 * self._stage_index + 2 :]
-        return head + mine + others
+        head, triples = keys[:6], keys[6:]
+        at = 3 * self._stage_index
+        return head + triples[at : at + 3] + triples[:at] + triples[at + 3 :]
 
     async def acquire(self, session_id: str, now_ms: int) -> tuple[AcquireStatus, Lease | None]:
         token = secrets.token_hex(8)
@@ -130,13 +134,14 @@ class StageOwnership:
         """
         if not leases:
             return []
-        async with self.bus.client.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                key = self.bus.keys.session(lease.session_id).lease(self.stage)
-                await self.bus.renew_script(
-                    keys=[key], args=[lease.token, self.ttl_ms], client=pipe
-                )
-            renewed = [bool(r) for r in await pipe.execute()]
+        calls = [
+            (
+                [self.bus.keys.session(lease.session_id).lease(self.stage)],
+                [lease.token, self.ttl_ms],
+            )
+            for lease in leases
+        ]
+        renewed = [bool(r) for r in await self.bus.run_many(self.bus.renew_script, calls)]
         expiry = {
             lease.session_id: now_ms + self.ttl_ms
             for lease, ok in zip(leases, renewed, strict=True)
@@ -172,6 +177,7 @@ class StageOwnership:
         repeated after its reply was lost is recognised by its outputs' seqs."""
         sk = self.bus.keys.session(lease.session_id)
         keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
+        keys += [sk.bell(consumer) for consumer in self._consumers]
         seqs = [event.seq for _, events in groups for event in events]
         args: list[object] = [
             self.stage,
@@ -182,6 +188,7 @@ class StageOwnership:
             seqs[0] if seqs else 0,
             out_seq,
             len(groups),
+            lease.session_id,
         ]
         for fence, events in groups:
             args += [fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]

@@ -10,10 +10,16 @@ task group:
   and takes those sessions over, which bumps their incarnation;
 - heartbeat: renews every lease it holds; a lease it cannot renew was lost,
   and that session's actor stops at once;
-- control: reads the control streams of its sessions and applies cancel,
-  close and failover to the actors directly, never queued behind data;
-- data: reads the sessions' input streams in batches and hands them to the
-  actors, which apply them in order.
+- bells: blocks on the stage's bells (``dataplane.bells``) and marks the
+  sessions that rang, for the two loops below;
+- control: reads the control streams of the marked sessions and applies
+  cancel, close and failover to the actors directly, never queued behind data;
+- data: reads the marked sessions' input streams in batches and hands them to
+  the actors, which apply them in order.
+
+A taken session is marked at once, and every session is marked each
+``sweep_ms``, so a lost ring only delays. Neither read is ever O(sessions
+owned) per round: a read touches the sessions that have news.
 
 Shutdown is a small state machine: RUNNING -> DRAINING -> STOPPED. A signal
 only requests it; the loops see DRAINING, stop taking work, and the worker
@@ -37,6 +43,7 @@ from enum import Enum, auto
 import redis.asyncio as aioredis
 
 from dataplane.authority import SessionAuthority
+from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
 from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
@@ -96,7 +103,12 @@ class Worker:
         self.actors: dict[str, SessionActor] = {}
         self.state = WorkerState.STARTING
         self._actor_tasks: dict[str, asyncio.Task[None]] = {}
-        self._wake_stream = self.keys.wake(self.worker_id)
+        self._data = Dirty(settings.sweep_ms)
+        self._control = Dirty(settings.sweep_ms)
+        self._bells = BellReader(
+            self.bus, stage, self._ring, block_ms=settings.block_ms,
+            running=lambda: self.state is WorkerState.RUNNING,
+        )  # fmt: skip
         self._stopping = asyncio.Event()
         self._quiet_rounds = 0
         self._readers: dict[str, aioredis.Redis] = {}
@@ -129,12 +141,12 @@ class Worker:
                     self._loop(self._heartbeat_round, self.settings.heartbeat_ms),
                     name="heartbeat",
                 )
+                group.create_task(self._bells.run(), name="bells")
                 group.create_task(self._loop(self._control_round, 0), name="control")
                 group.create_task(self._loop(self._data_round, 0), name="data")
         finally:
             await self._hand_back_all()
             await self.bus.client.zrem(self.keys.workers(self.stage), self.worker_id)
-            await self.bus.client.delete(self._wake_stream)
             await self.backend.aclose()
             await self.bus.aclose()
             self.state = WorkerState.STOPPED
@@ -155,8 +167,12 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), ms / 1000)
 
-    async def _wake(self) -> None:
-        await self.bus.client.xadd(self._wake_stream, {"w": "1"}, maxlen=16, approximate=True)
+    def _ring(self, session_id: str, kind: str) -> None:
+        """A bell rang for ``session_id``: read it next (its control too for ``c``)."""
+        if session_id in self.actors:
+            self._data.mark(session_id)
+            if kind == "c":
+                self._control.mark(session_id)
 
     # -- taking sessions -------------------------------------------------------
 
@@ -165,6 +181,7 @@ class Worker:
         return self.capacity - len(self.actors)
 
     async def _assignment_round(self) -> None:
+        await self._bells.started.wait()  # a session taken before would miss rings
         if self.spare <= 0:
             await self._pause(self.settings.block_ms)
             return
@@ -189,6 +206,7 @@ class Worker:
         self._note_activity(bool(entries))
 
     async def _orphan_round(self) -> None:
+        await self._bells.started.wait()
         if self.spare <= 0:
             return
         expired = await self.bus.client.zrangebyscore(
@@ -260,7 +278,8 @@ class Worker:
         self.actors[session_id] = actor
         self._actor_tasks[session_id] = task
         OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
-        await self._wake()
+        self._data.mark(session_id)
+        self._control.mark(session_id)
 
     def _input_stream(self, session_id: str) -> str:
         sk = self.keys.session(session_id)
@@ -289,6 +308,8 @@ class Worker:
         try:
             while actor.active:
                 batch = await actor.queue.get()
+                if actor.session_id in self._data.pending:
+                    self._data.ready.set()  # it was held back while its queue was full
                 try:
                     await actor.apply(batch)
                 except Exception:
@@ -365,19 +386,25 @@ class Worker:
                 actor.end(ActorState.LOST)
 
     async def _control_round(self) -> None:
-        streams = {self._wake_stream: "$"}
+        if self._control.sweep_due():
+            self._control.mark_all(self.actors)
+        streams: dict[str, str] = {}
         owners: dict[str, SessionActor] = {}
-        for actor in self.actors.values():
-            stream = self.keys.session(actor.session_id).control
-            streams[stream] = actor.control_cursor
-            owners[stream] = actor
-        entries = await self.bus.xread(
-            self._reader("control"), streams, 256, self._block_ms(idle=True)
-        )
+        for session_id in self._control.pending:
+            actor = self.actors.get(session_id)
+            if actor is not None:
+                stream = self.keys.session(session_id).control
+                streams[stream] = actor.control_cursor
+                owners[stream] = actor
+        self._control.pending.clear()
+        if not streams:
+            await self._control.wait(self.settings.block_ms)
+            return
+        entries = await self.bus.xread_now(streams, 256)
+        counts: dict[str, int] = {}
         for entry in entries:
-            owner = owners.get(entry.stream)
-            if owner is None:
-                continue
+            owner = owners[entry.stream]
+            counts[entry.stream] = counts.get(entry.stream, 0) + 1
             owner.control_cursor = entry.id
             try:
                 control = decode_control(entry.fields.get(b"c", b""))
@@ -390,30 +417,43 @@ class Worker:
             await owner.on_control(control)
             if not owner.active:
                 owner.queue.put_nowait([])
+        for stream, count in counts.items():
+            if count >= 256:
+                self._control.mark(owners[stream].session_id)  # more to read
 
     async def _data_round(self) -> None:
-        streams: dict[str, str] = {self._wake_stream: "$"}
+        if self._data.sweep_due():
+            self._data.mark_all(self.actors)
+        streams: dict[str, str] = {}
         owners: dict[str, SessionActor] = {}
-        for actor in self.actors.values():
-            # An actor with batches still queued is not read for now (backpressure).
-            if actor.active and actor.queue.qsize() < 4:
-                stream = self._input_stream(actor.session_id)
+        for session_id in list(self._data.pending):
+            actor = self.actors.get(session_id)
+            if actor is None or not actor.active:
+                self._data.pending.discard(session_id)
+            elif actor.queue.qsize() < 4:
+                # An actor with batches still queued stays marked and is read once its
+                # queue drains (backpressure); ``_serve`` sets ``ready`` then.
+                self._data.pending.discard(session_id)
+                stream = self._input_stream(session_id)
                 streams[stream] = actor.read_cursor
                 owners[stream] = actor
-        entries = await self.bus.xread(
-            self._reader("data"), streams, self.settings.read_batch, self._block_ms()
-        )
+        if not streams:
+            self._note_activity(False)
+            if self.burst:
+                await self._maybe_finish_burst()
+            await self._data.wait(self._block_ms())
+            return
+        entries = await self.bus.xread_now(streams, self.settings.read_batch)
         batches: dict[str, list[Entry]] = {}
         for entry in entries:
-            owner = owners.get(entry.stream)
-            if owner is not None:
-                owner.read_cursor = entry.id
-                batches.setdefault(entry.stream, []).append(entry)
+            owners[entry.stream].read_cursor = entry.id
+            batches.setdefault(entry.stream, []).append(entry)
         for stream, batch in batches.items():
-            owners[stream].enqueue(batch)
+            owner = owners[stream]
+            owner.enqueue(batch)
+            if len(batch) >= self.settings.read_batch:
+                self._data.mark(owner.session_id)  # more to read
         self._note_activity(bool(batches))
-        if self.burst:
-            await self._maybe_finish_burst()
 
     # -- helpers ---------------------------------------------------------------
 
@@ -423,8 +463,8 @@ class Worker:
             self._readers[name] = self.bus.reader(self.settings.block_ms)
         return self._readers[name]
 
-    def _block_ms(self, *, idle: bool = False) -> int:
-        if self.burst and not idle:
+    def _block_ms(self) -> int:
+        if self.burst:
             return min(self.settings.block_ms, 100)
         return self.settings.block_ms
 

@@ -1,0 +1,117 @@
+"""A real local Redis Cluster for tests: 3 primaries, each with a replica.
+
+Six redis-server processes (own ports, own temp dirs, persisting as every
+Redis duplexq starts does) joined with ``redis-cli --cluster create``. A node
+can be killed with SIGKILL; its replica is promoted by the cluster itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from tests.redis_server import RedisServer
+
+NODE_TIMEOUT_MS = 1000
+"""How long the cluster waits before it promotes a dead primary's replica."""
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20_000, 45_000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for candidate in (port, port + 10_000):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisCluster:
+    """Six nodes; ``url`` is the duplexq URL (``redis+cluster://``) of the first."""
+
+    def __init__(self, workdir: Path) -> None:
+        options = [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+            "--repl-diskless-sync-delay", "0",
+        ]  # fmt: skip
+        self.nodes = [RedisServer(workdir / f"node{i}", extra=options) for i in range(6)]
+        for node in self.nodes:
+            node.port = cluster_port()
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed; run scripts/setup")
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1",
+             "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        self.wait_ok()
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every live node says the cluster is ok and covers every slot."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [self._state(node) for node in self.nodes if node.alive]
+            if states and all(s == "ok" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ok: {states}")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _state(node: RedisServer) -> str:
+        """``ok`` once the node sees the whole cluster serving and, for a replica, its
+        link to its primary is up (a replica still syncing acknowledges nothing)."""
+        try:
+            with redis.Redis(port=node.port, socket_timeout=1) as client:
+                info = client.execute_command("CLUSTER", "INFO").decode()
+                replication = client.info("replication")
+        except redis.RedisError:
+            return "down"
+        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        if fields.get("cluster_slots_ok") != "16384":
+            return "partial"
+        if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+            return "syncing"
+        return fields.get("cluster_state", "?")
+
+    def primary_of(self, key: str) -> RedisServer:
+        """The node serving ``key``'s slot now."""
+        with redis.Redis(port=self.live().port, socket_timeout=2) as client:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(node for node in self.nodes if node.port == port)
+        raise LookupError(key)
+
+    def live(self) -> RedisServer:
+        return next(node for node in self.nodes if node.alive)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()

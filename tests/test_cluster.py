@@ -1,0 +1,92 @@
+"""The data plane on a real Redis Cluster: slots, and a primary killed under load.
+
+The pipeline and fault tests (``tests/test_pipeline.py``, ``tests/test_faults.py``)
+run on a cluster too, through the ``redis_url`` fixture; this module checks what
+only a cluster has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import redis
+
+from coordinator.service import Coordinator
+from schemas.config import echo_pipeline
+from schemas.events import TextPayload
+from schemas.keys import CLIENT, Keys
+from tests.pipeline_helpers import fast_settings, outputs_of, running_worker
+from tests.redis_cluster import RedisCluster
+
+
+def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
+    node = redis_cluster.live()
+    keys = Keys("slots")
+    with redis.Redis(port=node.port) as client:
+        primaries: set[str] = set()
+        for i in range(40):
+            sk = keys.session(f"session-{i}")
+            names = [sk.meta, sk.input, sk.control, sk.client, sk.progress,
+                     sk.stage_out("a"), sk.lease("a"), sk.bell("a"), sk.bell(CLIENT)]  # fmt: skip
+            slots = {client.execute_command("CLUSTER", "KEYSLOT", name) for name in names}
+            assert len(slots) == 1
+            primaries.add(redis_cluster.primary_of(sk.meta).port)
+    # Sessions spread over every primary: the cluster shares the load.
+    assert len(primaries) == 3
+
+
+async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_path):
+    """Clients append while the primary serving their sessions is killed with SIGKILL;
+    the cluster promotes its replica. Every input whose append returned is in the log
+    and answered once, in order; appends that failed during the failover were retried
+    by the client as a client would."""
+    cluster = RedisCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        settings = fast_settings(cluster.url, "kill")
+        pipeline = echo_pipeline("echo")
+        coordinator = Coordinator(settings, pipeline)
+        keys = coordinator.bus.keys
+        victim = cluster.primary_of(keys.session("s0").meta)
+        sessions = [f"s{i}" for i in range(12)]
+        on_victim = [s for s in sessions if cluster.primary_of(keys.session(s).meta) is victim]
+        acked: dict[str, list[str]] = {sid: [] for sid in sessions}
+        try:
+            async with running_worker(settings, pipeline, "echo"):
+                for sid in sessions:
+                    await coordinator.open(sid)
+
+                async def client(sid: str) -> None:
+                    for i in range(60):
+                        text = f"{sid}-{i}"
+                        while True:  # retry until acknowledged, as a client does
+                            try:
+                                await coordinator.append(sid, "append_text", TextPayload(text))
+                                break
+                            except Exception:
+                                await asyncio.sleep(0.05)
+                        acked[sid].append(text)
+                        await asyncio.sleep(0.01)
+
+                clients = [asyncio.create_task(client(sid)) for sid in sessions]
+                await asyncio.sleep(0.3)
+                victim.stop(signal.SIGKILL)
+                killed_at = time.monotonic()
+                await asyncio.gather(*clients)
+                got: dict[str, list[str]] = {sid: [] for sid in sessions}
+                async with asyncio.timeout(60):
+                    while any(len(got[s]) < len(acked[s]) for s in sessions):
+                        for out in outputs_of(await coordinator.outputs(block_ms=200)):
+                            got[out.fence.session_id].append(out.text)
+        finally:
+            await coordinator.aclose()
+        assert on_victim, "no session lived on the killed primary"
+        assert time.monotonic() - killed_at < 60
+        for sid in sessions:
+            # Each acknowledged input is answered (a retried append that had landed
+            # before its reply was lost is recognised and written once).
+            assert got[sid] == acked[sid], sid
+    finally:
+        cluster.stop()
