@@ -45,6 +45,8 @@ class Plan:
     scaling_seconds: float
     budget_ms: float
     """Latency budget of the scaling curve: p99 added over the raw round trip."""
+    takein_sessions: tuple[int, ...] = (100, 1000, 5000)
+    """Waiting sessions one new worker takes in, per point."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,4 +98,5 @@ QUICK = Plan(
     scaling_sessions=(5, 20),
     scaling_seconds=2.0,
     budget_ms=20.0,
+    takein_sessions=(100, 1000),
 )

@@ -23,6 +23,7 @@ or harmless when repeated (an assignment entry offered twice is taken once).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -34,6 +35,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
+from dataplane.batching import ScriptBatcher
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
 
@@ -130,9 +132,9 @@ class RedisBus:
 
     def __init__(self, url: str, keys: Keys | None = None, *, command_timeout: float = 5.0):
         self.url = url
-        self.keys = keys or Keys()
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         """True on Redis Cluster: multi-key reads are split per slot."""
+        self.keys = dataclasses.replace(keys or Keys(), cluster=self.cluster)
         self._command_timeout = command_timeout
         self.client: aioredis.Redis = _client(
             url,
@@ -143,6 +145,8 @@ class RedisBus:
             health_check_interval=30,
         )
         self._readers: list[aioredis.Redis] = []
+        self._batcher = ScriptBatcher(self.client)
+        """Script calls made in the same loop turn share one round trip."""
         self._replicated = ReplicatedRunner(self.client) if self.cluster else None
         """On a cluster, scripts are acknowledged once a replica has their writes."""
         self.open_script = self._register(scripts.OPEN)
@@ -196,7 +200,7 @@ class RedisBus:
         if self._replicated is not None:
             reply = await self._replicated.run(script, list(keys), list(args))
         else:
-            reply = await script(keys=list(keys), args=list(args))
+            reply = await self._batcher.run(script, keys, args)
         if isinstance(reply, list):
             return [_text(item) if isinstance(item, bytes) else item for item in reply]
         return [reply]
@@ -214,10 +218,7 @@ class RedisBus:
             return list(
                 await asyncio.gather(*(runner.run(script, list(k), list(a)) for k, a in calls))
             )
-        async with self.client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                await script(keys=list(keys), args=list(args), client=pipe)
-            return list(await pipe.execute())
+        return list(await asyncio.gather(*(self._batcher.run(script, k, a) for k, a in calls)))
 
     async def xread(
         self, conn: aioredis.Redis, streams: Mapping[str, str], count: int, block_ms: int | None

@@ -7,11 +7,12 @@ Lua script may touch them together, and one XREAD may read many sessions of a
 partition. Global keys (assignment streams, indexes, metrics) are written with
 separate commands, never from a per-session script.
 
-A bell is a partition's doorbell for one consumer (a stage, or the
-coordinators' journal readers, ``CLIENT``): every script that writes a
-stream a consumer reads rings that consumer's bell in the same step with the
-session id. Readers block on their bells (O(partitions) keys) and then read
-only the sessions that rang, never every session they follow.
+A bell is a doorbell for one consumer (a stage, or the coordinators' journal
+readers, ``CLIENT``): every script that writes a stream a consumer reads rings
+that consumer's bell in the same step with the session id. Readers block on
+their bells and then read only the sessions that rang, never every session
+they follow. On Redis Cluster (``Keys(cluster=True)``) each partition has its
+own bells, in its slot; on one Redis a consumer has a single bell.
 
 ==========================  ======  =============================================
 key                         type    contents
@@ -30,7 +31,7 @@ dq:{p}:{sid}:prog           hash    per-stage progress: applied seq, read positi
 dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
 dq:workers:{stage}          zset    worker id -> last heartbeat (ms)
-dq:bell:{p}:{consumer}      stream  session ids whose streams for ``consumer``
+dq:bell[:{p}]:{consumer}    stream  session ids whose streams for ``consumer``
                                     changed (field ``s``; ``k``: ``d`` data,
                                     ``c`` control), capped at ``BELL_LENGTH``
 dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
@@ -78,9 +79,11 @@ class SessionKeys:
     def lease(self, stage: str) -> str:
         return f"{self.tag}:lease:{stage}"
 
+    cluster: bool = False
+
     def bell(self, consumer: str) -> str:
-        """The bell of ``consumer`` in this session's partition."""
-        return bell_key(self.prefix, self.partition, consumer)
+        """The bell of ``consumer`` for this session (its partition's, on a cluster)."""
+        return bell_key(self.prefix, self.partition if self.cluster else None, consumer)
 
 
 def partition_of(session_id: str) -> int:
@@ -88,12 +91,14 @@ def partition_of(session_id: str) -> int:
     return zlib.crc32(session_id.encode()) % PARTITIONS
 
 
-def bell_key(prefix: str, partition: int, consumer: str) -> str:
+def bell_key(prefix: str, partition: int | None, consumer: str) -> str:
+    if partition is None:
+        return f"{prefix}:bell:{consumer}"
     return f"{prefix}:bell:{{p{partition}}}:{consumer}"
 
 
 @lru_cache(maxsize=65_536)
-def _session_keys(prefix: str, session_id: str) -> SessionKeys:
+def _session_keys(prefix: str, session_id: str, cluster: bool) -> SessionKeys:
     partition = partition_of(session_id)
     tag = f"{prefix}:{{p{partition}}}:{session_id}"
     return SessionKeys(
@@ -105,6 +110,7 @@ def _session_keys(prefix: str, session_id: str) -> SessionKeys:
         progress=f"{tag}:prog",
         tag=tag,
         prefix=prefix,
+        cluster=cluster,
     )
 
 
@@ -113,12 +119,16 @@ class Keys:
     """Key names under one prefix (tests use a prefix of their own)."""
 
     prefix: str = DEFAULT_PREFIX
+    cluster: bool = False
+    """Bells per partition (Redis Cluster) instead of one per consumer."""
 
     def session(self, session_id: str) -> SessionKeys:
-        return _session_keys(self.prefix, session_id)
+        return _session_keys(self.prefix, session_id, self.cluster)
 
     def bells(self, consumer: str) -> list[str]:
-        """``consumer``'s bell in every partition, in partition order."""
+        """``consumer``'s bells: one per partition on a cluster, else one."""
+        if not self.cluster:
+            return [bell_key(self.prefix, None, consumer)]
         return [bell_key(self.prefix, p, consumer) for p in range(PARTITIONS)]
 
     def assign(self, stage: str) -> str:

@@ -8,9 +8,11 @@ only a cluster has.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 
+import pytest
 import redis
 
 from coordinator.service import Coordinator
@@ -23,7 +25,7 @@ from tests.redis_cluster import RedisCluster
 
 def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
     node = redis_cluster.live()
-    keys = Keys("slots")
+    keys = Keys("slots", cluster=True)
     with redis.Redis(port=node.port) as client:
         primaries: set[str] = set()
         for i in range(40):
@@ -37,6 +39,10 @@ def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
     assert len(primaries) == 3
 
 
+# On a connection error redis-py drops the failed node's object and closes its
+# connections from a task it keeps no reference to, so sockets to the killed node
+# may be collected unclosed: a ResourceWarning about a dead peer, nothing more.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_path):
     """Clients append while the primary serving their sessions is killed with SIGKILL;
     the cluster promotes its replica. Every input whose append returned is in the log
@@ -90,3 +96,4 @@ async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_pat
             assert got[sid] == acked[sid], sid
     finally:
         cluster.stop()
+        gc.collect()  # the dropped node objects go now, under this test's filter

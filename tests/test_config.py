@@ -99,7 +99,9 @@ def test_session_keys_share_one_hash_tag():
     ]
     head = f"dq:{{p{partition_of('a{b}c')}}}:a{{b}}c:"
     assert all(key.startswith(head) for key in tagged)
-    assert sk.bell("x") == f"dq:bell:{{p{sk.partition}}}:x"
+    assert sk.bell("x") == "dq:bell:x"
+    clustered = Keys("dq", cluster=True).session("a{b}c")
+    assert clustered.bell("x") == f"dq:bell:{{p{sk.partition}}}:x"
     assert len(set(tagged)) == len(tagged)
 
 

@@ -125,7 +125,8 @@ def test_needs_expiry_and_session_of_key():
         for key in (sk.meta, sk.input, sk.client, sk.stage_out("x"), sk.lease("y")):
             assert session_of_key("dq", key) == sid
     assert session_of_key("dq", "dq:assign:x") is None
-    assert session_of_key("dq", keys.bells("x")[3]) is None
+    assert session_of_key("dq", keys.bells("x")[0]) is None
+    assert session_of_key("dq", Keys("dq", cluster=True).bells("x")[3]) is None
     assert session_of_key("dq", "dqx:{p1}:s1:meta") is None
     assert session_of_key("dq", "dq:{p1}:s1:other") is None
 

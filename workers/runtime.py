@@ -61,6 +61,9 @@ log = logging.getLogger("duplexq.worker")
 
 RoundFn = Callable[[], Awaitable[None]]
 
+TAKE_CONCURRENCY = 32
+"""Sessions a worker takes at once from one assignment read."""
+
 
 class WorkerState(Enum):
     STARTING = auto()
@@ -194,16 +197,22 @@ class Worker:
             entries = await self.bus.xreadgroup(
                 reader, ASSIGN_GROUP, self.worker_id, stream, self.spare, self._block_ms()
             )
-        for entry in entries:
-            session_id = entry.fields.get(b"sid", b"").decode()
-            if session_id and self.state is WorkerState.RUNNING:
-                await self._take(session_id)
-            elif session_id:
-                # Read while stopping (a blocked read can return our own
-                # hand-backs): not ours to take, so queue it for the others.
-                await self.bus.client.xadd(stream, {"sid": session_id, "why": "requeue"})
-            await self.bus.xack(stream, ASSIGN_GROUP, entry.id)
+        # Sessions are taken several at a time: each take waits on Redis (and a
+        # rebuild), and a worker coming up to a backlog must not take them one by one.
+        for start in range(0, len(entries), TAKE_CONCURRENCY):
+            chunk = entries[start : start + TAKE_CONCURRENCY]
+            await asyncio.gather(*(self._take_assigned(stream, entry) for entry in chunk))
         self._note_activity(bool(entries))
+
+    async def _take_assigned(self, stream: str, entry: Entry) -> None:
+        session_id = entry.fields.get(b"sid", b"").decode()
+        if session_id and self.state is WorkerState.RUNNING:
+            await self._take(session_id)
+        elif session_id:
+            # Read while stopping (a blocked read can return our own
+            # hand-backs): not ours to take, so queue it for the others.
+            await self.bus.client.xadd(stream, {"sid": session_id, "why": "requeue"})
+        await self.bus.xack(stream, ASSIGN_GROUP, entry.id)
 
     async def _orphan_round(self) -> None:
         await self._bells.started.wait()
@@ -212,10 +221,10 @@ class Worker:
         expired = await self.bus.client.zrangebyscore(
             self.keys.lease_index(self.stage), "-inf", now_ms(), start=0, num=self.spare
         )
-        for raw in expired:
-            session_id = raw.decode()
-            if session_id not in self.actors:
-                await self._take(session_id)
+        orphans = [raw.decode() for raw in expired if raw.decode() not in self.actors]
+        for start in range(0, len(orphans), TAKE_CONCURRENCY):
+            chunk = orphans[start : start + TAKE_CONCURRENCY]
+            await asyncio.gather(*(self._take(session_id) for session_id in chunk))
 
     async def _take(self, session_id: str) -> None:
         if session_id in self.actors or self.state is not WorkerState.RUNNING:
