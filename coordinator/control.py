@@ -39,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -51,7 +51,6 @@ from arq.typing import WorkerCoroutine
 from arq.worker import Function, Worker, create_worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 from coordinator.control_core import (
     ControlSchedule,
@@ -59,7 +58,6 @@ from coordinator.control_core import (
     age_floor,
     floor_in_page,
     group_floor,
-    needs_expiry,
     newest,
     parse_id,
     plan_audit,
@@ -267,21 +265,13 @@ async def trim_streams(ctx: dict[str, Any]) -> dict[str, int]:
 
 
 async def _expire_session(state: ControlState, session_id: str, keys: Sequence[str]) -> int:
-    """EXPIRE NX the keys if the session is not open, in one watched transaction."""
+    """EXPIRE NX the keys if the session is not open, atomically with the check (one
+    script in the session's slot, so on a cluster too)."""
     meta = state.keys.session(session_id).meta
-    async with state.bus.client.pipeline(transaction=True) as pipe:
-        await pipe.watch(meta)
-        raw = await cast(Awaitable[bytes | None], pipe.hget(meta, "status"))
-        if not needs_expiry(raw.decode() if raw is not None else None):
-            return 0
-        pipe.multi()  # type: ignore[no-untyped-call]
-        for key in keys:
-            pipe.expire(key, state.settings.closed_ttl_s, nx=True)
-        try:
-            replies = await pipe.execute()
-        except WatchError:
-            return 0  # reopened (or closed) meanwhile: the next run decides
-    return sum(bool(r) for r in replies)
+    reply = await state.bus.run(
+        state.bus.expire_closed_script, [meta, *keys], [state.settings.closed_ttl_s]
+    )
+    return int(reply[0])
 
 
 async def expire_closed(ctx: dict[str, Any]) -> dict[str, int]:
@@ -403,7 +393,7 @@ def worker_settings(
     attrs = {
         "functions": functions,
         "cron_jobs": [] if burst else crons,
-        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "redis_settings": RedisSettings.from_dsn(settings.queue_redis_url),
         "queue_name": queue_name(settings),
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,
@@ -480,7 +470,7 @@ async def enqueue_replay(
     """Ask the control plane to replay ``source`` into ``target``; False if that
     replay was already requested (queued, running or done within a day)."""
     pool = await create_pool(
-        RedisSettings.from_dsn(settings.redis_url),
+        RedisSettings.from_dsn(settings.queue_redis_url),
         job_serializer=job_serializer,
         job_deserializer=job_deserializer,
         default_queue_name=queue_name(settings),

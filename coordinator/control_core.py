@@ -10,8 +10,8 @@ can be tested on plain values:
 - the lease audit: what to do for one indexed session (``plan_audit``: re-offer
   stages nobody holds, close a session whose client is gone for longer than the
   resume grace), and how often to re-offer one nobody takes (``RequeueBackoff``);
-- expiry: which sessions' keys must expire (``needs_expiry``), and whose key a
-  key is (``session_of_key``);
+- expiry: whose key a key is (``session_of_key``; the rule itself, only a
+  session that is not open expires, is the ``EXPIRE_CLOSED`` script);
 - how often the periodic jobs run (``ControlSchedule``).
 
 Stream ids compare as (milliseconds, sequence) pairs, never as strings:
@@ -129,11 +129,6 @@ def plan_audit(
     if status is None and age_ms < FORGET_GRACE_MS:
         return AuditPlan()  # being opened right now
     return AuditPlan(forget=True)
-
-
-def needs_expiry(status: str | None) -> bool:
-    """Keys of a session that is not open (closed, or its meta is gone) must expire."""
-    return status != "open"
 
 
 def session_of_key(prefix: str, key: str) -> str | None:

@@ -163,6 +163,7 @@ class RedisBus:
         self.attach_script = self._register(scripts.ATTACH)
         self.hold_script = self._register(scripts.HOLD)
         self.detach_script = self._register(scripts.DETACH)
+        self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)
 
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)

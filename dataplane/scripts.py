@@ -412,3 +412,14 @@ if redis.call('HGET', KEYS[1], 'att') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'att', '', 'att_until', ARGV[2])
 return 1
 """
+
+# KEYS: meta key*    ARGV: ttl_s
+# The control plane's safety net: a session that is not open (closed, or its meta
+# gone) gets a TTL on each of its keys that has none. Atomic with the status check,
+# so a session reopened meanwhile is never touched.
+EXPIRE_CLOSED = r"""
+if redis.call('HGET', KEYS[1], 'status') == 'open' then return 0 end
+local n = 0
+for i = 2, #KEYS do n = n + redis.call('EXPIRE', KEYS[i], ARGV[1], 'NX') end
+return n
+"""

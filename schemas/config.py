@@ -45,6 +45,9 @@ class Settings(_Model):
     """Process-wide settings shared by coordinators, workers and the control plane."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    control_redis_url: str = ""
+    """The Redis of the control plane's job queue (arq); empty: ``redis_url``. arq is not
+    cluster-aware: with a ``redis+cluster://`` data plane, give one plain Redis here."""
     """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users."""
     key_prefix: str = Field("dq", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     """Prefix of every key; lets several deployments (or tests) share one Redis."""
@@ -112,6 +115,17 @@ class Settings(_Model):
     sessions count as detached (the resume grace starts) this long after."""
     first_event_wait_ms: int = Field(300, ge=0, le=10_000)
     """How long a new connection waits for a ``session.resume`` before opening a session."""
+
+    @property
+    def queue_redis_url(self) -> str:
+        """Where the control plane's job queue lives (``control_redis_url`` or the data
+        plane's Redis)."""
+        if self.control_redis_url:
+            return self.control_redis_url
+        if self.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+            raise ValueError("a Redis Cluster data plane needs control_redis_url (arq needs "
+                             "one plain Redis for its job queue)")  # fmt: skip
+        return self.redis_url
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``DUPLEXQ_*`` variables (what ``with_env`` reads back)."""

@@ -6,6 +6,7 @@ import contextlib
 import time
 
 import pytest
+from redis.asyncio import Redis
 
 from coordinator.control import (
     add_commands,
@@ -27,7 +28,6 @@ from coordinator.control_core import (
     RequeueBackoff,
     floor_in_page,
     group_floor,
-    needs_expiry,
     parse_id,
     plan_audit,
     safe_min_id,
@@ -116,9 +116,7 @@ def test_plan_audit():
     assert plan_audit(None, leased, FORGET_GRACE_MS) == AuditPlan(forget=True)
 
 
-def test_needs_expiry_and_session_of_key():
-    assert not needs_expiry("open")
-    assert needs_expiry("closed") and needs_expiry(None)
+def test_session_of_key():
     keys = Keys("dq")
     for sid in ("s1", "a}:b", "x:st:y", "q:lease:r:meta"):
         sk = keys.session(sid)
@@ -191,10 +189,14 @@ def test_control_command_is_registered():
 
 
 @pytest.fixture
-def settings(redis_server, key_prefix):
+def settings(redis_url, redis_server, key_prefix):
+    """The jobs run on one Redis and on a Redis Cluster data plane (whose job queue then
+    lives on a plain Redis, as arq needs)."""
+    queue = redis_server.url if redis_url.startswith("redis+cluster") else ""
     return fast_settings(
-        redis_server.url, key_prefix, input_retention=100, output_retention=100, closed_ttl_s=100
-    )
+        redis_url, key_prefix, input_retention=100, output_retention=100, closed_ttl_s=100,
+        control_redis_url=queue,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -214,6 +216,12 @@ async def ctx(settings):
 async def _append(coordinator, session_id, texts):
     for text in texts:
         await coordinator.append(session_id, "append_text", TextPayload(text))
+
+
+async def _keys(bus, session_id):
+    """Every key of a session (SCAN visits every primary of a cluster)."""
+    pattern = f"{bus.keys.session(session_id).tag}:*"
+    return [key async for key in bus.client.scan_iter(match=pattern)]
 
 
 async def _seqs(bus, stream):
@@ -411,7 +419,7 @@ async def test_expire_closed_is_a_safety_net(settings, coordinator, ctx):
     await _append(coordinator, "live", ["x"])
     await _append(coordinator, "done", ["y"])
     await coordinator.close("done")
-    done_keys = await client.keys(f"{bus.keys.session('done').tag}:*")
+    done_keys = await _keys(bus, "done")
     assert len(done_keys) >= 4
     for key in done_keys:
         await client.persist(key)  # the close's EXPIRE got lost
@@ -427,7 +435,7 @@ async def test_expire_closed_is_a_safety_net(settings, coordinator, ctx):
         ttl = await client.ttl(key)
         assert (ttl > 100) if key.decode() == kept else (0 < ttl <= 100)
     assert 0 < await client.ttl(leftover) <= 100
-    for key in await client.keys(f"{bus.keys.session('live').tag}:*"):
+    for key in await _keys(bus, "live"):
         assert await client.ttl(key) == -1
     assert await client.zscore(bus.keys.sessions, "done") is None
     assert await client.zscore(bus.keys.sessions, "live") is not None
@@ -437,14 +445,16 @@ async def test_burst_runs_each_periodic_job_once(settings, coordinator):
     bus = coordinator.bus
     await coordinator.open("s1")
     await coordinator.close("s1")
-    keys = await bus.client.keys(f"{bus.keys.session('s1').tag}:*")
+    keys = await _keys(bus, "s1")
     assert keys
     for key in keys:
         await bus.client.persist(key)
     worker = await run_control(settings, ECHO, burst=True, handle_signals=False)
     assert (worker.jobs_complete, worker.jobs_failed) == (3, 0)
     assert all([await bus.client.ttl(key) > 0 for key in keys])
-    assert await bus.client.zcard(queue_name(settings)) == 0
+    queue = Redis.from_url(settings.queue_redis_url)
+    assert await queue.zcard(queue_name(settings)) == 0
+    await queue.aclose()
     assert (await SessionAuthority(bus, ECHO).status("s1"))["status"] == "closed"
 
 
