@@ -3,6 +3,7 @@
     python -m chaos --ci                       # the short seeded run CI asserts on
     python -m chaos --seed 7 --duration 600    # a long run
     python -m chaos --faults kill_worker,kill_redis --clients 40
+    python -m chaos --ci --redis-cluster       # the same on a Redis Cluster
 
 The report (JSON, plus a Markdown table beside it) has, per client and in
 total, what the checker counted, the recovery time of each fault class, the
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--every", default="2.5,5", help="seconds between faults: low,high (uniform)"
     )
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="run on a Redis Cluster (3 primaries with replicas)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="logs and Redis data (default: a temp dir)")
     parser.add_argument("--report", type=Path, help="report path (default: WORKDIR/report.json)")
     args = parser.parse_args(argv)
@@ -91,7 +94,7 @@ async def wait_for_workers(cluster: Cluster, within_s: float = 120) -> None:
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     cluster = Cluster(workdir, nemesis_pipeline(), coordinators=args.coordinators,
-                      workers_per_stage=args.workers)  # fmt: skip
+                      workers_per_stage=args.workers, redis_cluster=args.redis_cluster)  # fmt: skip
     await asyncio.to_thread(cluster.start)
     try:
         await wait_for_workers(cluster)
@@ -137,6 +140,7 @@ def report(
         "clients": args.clients,
         "coordinators": args.coordinators,
         "workers_per_stage": args.workers,
+        "redis": "cluster" if args.redis_cluster else "single",
         "totals": dict(verdict.totals),
         "recovery": verdict.recovery_summary(),
         "faults": {kind: sum(f.kind == kind for f in nemesis.log) for kind in FAULTS},

@@ -1,7 +1,8 @@
 """The processes under test, started as a deployment runs them: each a real process.
 
-A private redis-server with the product's persistence (``REDIS_PERSISTENCE``),
-the control plane, coordinators on their own ports and stage workers, all with
+A private Redis with the product's persistence (``REDIS_PERSISTENCE``): one
+server, or a Redis Cluster of six nodes (``chaos.redis_nodes``); the control
+plane, coordinators on their own ports and stage workers, all with
 the shipped settings but for the Redis URL, the key prefix and the API key.
 Each process can be killed with SIGKILL, stopped with SIGSTOP, continued and
 started again (Redis on its AOF, a coordinator on its port, a worker under a
@@ -11,7 +12,6 @@ new id).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
+from chaos.redis_nodes import RedisNodes
+from schemas.config import PipelineConfig, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +30,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port > 55_535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def wait_port(port: int, within_s: float) -> None:
@@ -102,7 +118,9 @@ class Cluster:
     coordinators: int = 2
     workers_per_stage: int = 2
     api_key: str = "nemesis"
-    redis: Proc = field(init=False)
+    redis_cluster: bool = False
+    """Run on a Redis Cluster (3 primaries, 3 replicas) instead of one Redis."""
+    redis: RedisNodes = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     settings: Settings = field(init=False)
@@ -111,25 +129,21 @@ class Cluster:
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
-        self.redis_port = free_port()
+        ports = cluster_port if self.redis_cluster else free_port
+        self.redis = RedisNodes(self.workdir, self._bare, ports, cluster=self.redis_cluster)
         self.settings = Settings().model_copy(
             update={
-                "redis_url": f"redis://127.0.0.1:{self.redis_port}/0",
+                "redis_url": self.redis.url,
+                "control_redis_url": self.redis.queue_url,
                 "key_prefix": "nemesis",
                 "api_keys": (self.api_key,),
             }
         )
         self.pipeline_path = self.workdir / "pipeline.json"
         self.pipeline_path.write_text(self.pipeline.model_dump_json())
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (scripts/setup installs it)")
-        data = self.workdir / "redis"
-        data.mkdir(exist_ok=True)
-        self.redis = self._proc("redis", [
-            binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(data),
-            *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction",
-        ])  # fmt: skip
+
+    def _bare(self, name: str, args: list[str]) -> Proc:
+        return Proc(name, args, self.workdir / "logs" / f"{name}.log", dict(os.environ))
 
     def _proc(self, name: str, args: list[str]) -> Proc:
         env = {**os.environ, **self.settings.to_env(), "PYTHONPATH": str(ROOT)}
@@ -138,8 +152,7 @@ class Cluster:
     # -- starting ------------------------------------------------------------------
 
     def start(self) -> None:
-        self.redis.start()
-        wait_port(self.redis_port, 10)
+        self.redis.start(wait_port)
         self._add("control", ["-m", "coordinator.cli", "control"])
         for i in range(self.coordinators):
             port = free_port()
@@ -184,11 +197,6 @@ class Cluster:
     def coordinator_names(self) -> list[str]:
         return list(self.ports)
 
-    def restart_redis(self) -> None:
-        self.redis.kill()
-        self.redis.start()
-        wait_port(self.redis_port, 30)
-
     def restart(self, name: str) -> None:
         proc = self.procs[name]
         proc.kill()
@@ -202,4 +210,4 @@ class Cluster:
             proc.signal(signal.SIGTERM)
         for proc in self.procs.values():
             proc.terminate(15)
-        self.redis.terminate(15)
+        self.redis.stop()

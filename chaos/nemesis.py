@@ -5,7 +5,8 @@ Fault classes (``FAULTS``):
 - ``kill_worker``: SIGKILL a worker; a replacement starts a moment later;
 - ``pause_worker``: SIGSTOP a worker for longer than the lease TTL, then
   SIGCONT: it wakes as a zombie whose sessions moved on;
-- ``kill_redis``: SIGKILL Redis and start it again on its AOF;
+- ``kill_redis``: SIGKILL Redis (on a cluster: a primary) and start it again on
+  its AOF;
 - ``kill_coordinator``: SIGKILL a coordinator and start it again (its clients'
   sockets die; they resume on any coordinator);
 - ``drop_socket``: a client loses its socket, or (half-open) resumes on a new
@@ -101,14 +102,7 @@ class Nemesis:
 
     async def _kill_redis(self) -> str | None:
         down_s = self.rng.uniform(0.2, 1.5)
-
-        def bounce() -> None:
-            self.cluster.redis.kill()
-            time.sleep(down_s)
-            self.cluster.redis.start()
-
-        await asyncio.to_thread(bounce)
-        return "redis"
+        return await asyncio.to_thread(self.cluster.redis.bounce, self.rng, down_s)
 
     async def _kill_coordinator(self) -> str | None:
         alive = [n for n in self.cluster.coordinator_names() if self.cluster.procs[n].alive]
@@ -130,5 +124,4 @@ class Nemesis:
         for proc in self.cluster.procs.values():
             if proc.stopped:
                 proc.resume()
-        if not self.cluster.redis.alive:
-            self.cluster.redis.start()
+        self.cluster.redis.heal()

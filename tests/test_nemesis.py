@@ -1,8 +1,10 @@
 """The nemesis suite's CI run: every fault class, and nothing lost, stale or wedged.
 
 ``python -m chaos --ci`` (seeded, about two minutes) starts a real Redis with
-the shipped persistence, two coordinators, the control plane and two workers
-on each of two chained stages, drives twenty WebSocket clients through them
+the shipped persistence (one server; then, with ``--redis-cluster``, a Redis
+Cluster of 3 primaries with replicas, whose primaries the nemesis kills), two
+coordinators, the control plane and two workers on each of two chained
+stages, drives twenty WebSocket clients through them
 while the nemesis kills, pauses and restarts processes and drops sockets, and
 checks the clients' histories (see ``chaos``). This test runs it as a user
 would and asserts on its report.
@@ -22,10 +24,12 @@ from tests.processes import ROOT
 
 
 @pytest.mark.timeout(400)
-def test_the_nemesis_ci_run_finds_nothing(tmp_path):
+@pytest.mark.parametrize("redis", ["single", "cluster"])
+def test_the_nemesis_ci_run_finds_nothing(tmp_path, redis):
     report = tmp_path / "report.json"
+    mode = ["--redis-cluster"] if redis == "cluster" else []
     run = subprocess.run(
-        [sys.executable, "-m", "chaos", "--ci", "--workdir", str(tmp_path / "run"),
+        [sys.executable, "-m", "chaos", "--ci", *mode, "--workdir", str(tmp_path / "run"),
          "--report", str(report)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=380,
     )  # fmt: skip
