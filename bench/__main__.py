@@ -30,11 +30,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import backlog, bargein, chart, failover, latency, raw, report, throughput
+from bench import backlog, bargein, chart, failover, latency, raw, report, takein, throughput
 from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.plan import FULL, QUICK, Plan
 
-SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling")
+SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein")
 NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling"}
 RESULTS = ROOT / "bench" / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -49,6 +49,7 @@ RUNNERS: dict[str, Section] = {
     "failover": lambda server, plan, _raw, logs: failover.run(server, plan, logs),
     "backlog": backlog.run,
     "scaling": latency.run_scaling,
+    "takein": takein.run,
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import takein
 from bench.mdformat import f, ms_pair, table, x
 from bench.report_sections import (
     GPU_RESULTS,
@@ -165,7 +166,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
         rows.append(["7", f"sessions within p99 +{sc['budget_ms']:g} ms, {row['workers']} "
                      "worker(s)", f(row["sessions_within_budget"]), "1 worker",
                      x(row["ratio_to_one_worker"])])  # fmt: skip
-    return rows
+    return rows + takein.summary_rows(ok.get("takein"))
 
 
 def summary_section(results: dict[str, Any]) -> str:
@@ -184,8 +185,8 @@ def not_measured(results: dict[str, Any]) -> str:
     if not GPU_RESULTS.exists():
         items.append("- vLLM on a GPU (section 8): no GPU machine was available; run "
                      "`bench/gpu.sh` on one.")  # fmt: skip
-    missing = [name for name in ("raw", "latency", "throughput", "bargein", "failover",
-                                 "backlog", "scaling") if name not in sections]  # fmt: skip
+    names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein")
+    missing = [name for name in names if name not in sections]
     if missing:
         items.append(f"- Sections not run yet: {', '.join(missing)}.")
     items += [
@@ -219,6 +220,7 @@ def render(results: dict[str, Any], chart: str) -> str:
         backlog_section(sections.get("backlog")),
         scaling_section(sections.get("scaling")),
         gpu_section(),
+        takein.section(sections.get("takein")),
         not_measured(results),
         timings(results),
     ]

@@ -24,6 +24,7 @@ from bench.common import (
     wait_workers,
 )
 from bench.load import Collector, open_sessions, send
+from bench.mdformat import f, failed, table
 from coordinator.service import Coordinator
 from schemas.config import echo_pipeline
 
@@ -75,6 +76,37 @@ async def run(
             print(f"  take in {sessions:>5} sessions: {point['seconds']:.2f} s "
                   f"({point['ms_per_session']:.2f} ms per session)", flush=True)  # fmt: skip
     return {"points": points}
+
+
+def summary_rows(s: dict[str, Any] | None) -> list[list[Any]]:
+    """The summary table's rows for section 9."""
+    return [
+        ["9", f"{p['sessions']:,} waiting sessions taken in by 1 worker", f"{p['seconds']:.2f} s",
+         "-", f"{p['ms_per_session']:.2f} ms per session"]
+        for p in (s or {}).get("points", [])
+        if "error" not in p
+    ]  # fmt: skip
+
+
+def section(s: dict[str, Any] | None) -> str:
+    """The report's section 9."""
+    out = ["## 9. Taking sessions in", ""]
+    if (msg := failed("takein", s)) is not None:
+        return "\n".join([*out, msg])
+    assert s is not None
+    out.append(
+        "N sessions are opened and each sent one chunk while no worker runs; then one echo\n"
+        "worker starts (capacity N) and the clock runs from its first heartbeat to the echo\n"
+        "of the last session: assignments read, N leases acquired, N sessions rebuilt, read\n"
+        "and answered. The time per session must stay flat as N grows.\n"
+    )
+    rows = [
+        [f(p["sessions"]), "failed: " + p["error"], "-"] if "error" in p
+        else [f(p["sessions"]), f"{p['seconds']:.2f} s", f"{p['ms_per_session']:.2f} ms"]
+        for p in s["points"]
+    ]  # fmt: skip
+    out.append(table(["sessions", "taken in", "per session"], rows))
+    return "\n".join(out)
 
 
 def main() -> None:

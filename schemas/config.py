@@ -45,10 +45,11 @@ class Settings(_Model):
     """Process-wide settings shared by coordinators, workers and the control plane."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users,
+    ``redis+cluster://host:port`` (any node) for a Redis Cluster (``docs/scaling.md``)."""
     control_redis_url: str = ""
     """The Redis of the control plane's job queue (arq); empty: ``redis_url``. arq is not
     cluster-aware: with a ``redis+cluster://`` data plane, give one plain Redis here."""
-    """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users."""
     key_prefix: str = Field("dq", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     """Prefix of every key; lets several deployments (or tests) share one Redis."""
     lease_ttl_ms: int = Field(3000, ge=200, le=120_000)
