@@ -46,6 +46,7 @@ class TracedBackend:
         self.name = inner.name
         self.continuous_input = inner.continuous_input
         self.follows_responses = getattr(inner, "follows_responses", True)
+        self.rebuild = inner.rebuild
         self._trace = trace.open("a", buffering=1)
 
     def _write(self, **fields: Any) -> None:
