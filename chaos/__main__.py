@@ -148,6 +148,7 @@ def report(
         "per_client": [
             {
                 "client": r.client,
+                "session": clients[r.client].session_id,
                 **{name: r.counts[name] for name in COUNTS},
                 "examples": r.examples,
             }

@@ -75,6 +75,8 @@ class ChaosClient:
         self._cancel_from = 0
         self._changed = asyncio.Event()
         self._lost_socket = asyncio.Event()
+        self.session_id = ""
+        """The session's id (for finding it in the processes' logs)."""
 
     # -- recording -------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class ChaosClient:
         if created.get("type") != "session.created":
             raise SessionDead(f"open: {created}")
         self.token = created["resume_token"]
+        self.session_id = str(created.get("session", {}).get("id", ""))
         self._adopt(socket)
 
     def _adopt(self, socket: ClientConnection) -> None:

@@ -8,11 +8,14 @@ it checks happens every run.
 from __future__ import annotations
 
 from dataplane.authority import SessionAuthority
-from schemas.events import OutputKind, decode_output
-from tests.actor_helpers import PIPELINE, STAGE, fail_over, owned_actor
-from workers.actor import SessionActor
-from workers.backends.base import OutputDraft
-from workers.ownership import PublishStatus
+from dataplane.bus import RedisBus
+from schemas.events import OutputEvent, OutputKind, decode_output
+from schemas.keys import Keys
+from tests.actor_helpers import NEXT, PIPELINE, STAGE, fail_over, owned_actor
+from workers.actor import SessionActor, Step, decide
+from workers.backends.base import OutputDraft, StageContext
+from workers.backends.echo import EchoBackend
+from workers.ownership import PublishStatus, StageOwnership
 
 
 def authority(actor: SessionActor) -> SessionAuthority:
@@ -164,5 +167,43 @@ async def test_a_terminal_stages_audio_is_stored_once(redis_server, key_prefix):
             assert own.seq == 1 and own.source_seq == 1
             journal = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.client)]
             assert [o.data for o in journal] == ([] if own_keeps_audio else [sound.data])
+    finally:
+        await bus.aclose()
+
+
+async def test_a_refusal_for_a_cancel_moves_only_the_epoch_of_what_is_read_next(
+    redis_server, key_prefix
+):
+    """Cause (found by the nemesis suite, an answer lost after a Redis restart): a publish
+    refused for a cancel the stage had not read yet moved the stage's view of its input
+    to the authority's whole fence, including a turn the user's commit had reserved
+    since. The upstream output of the turn before that commit, still unread, was then
+    dropped as a turn regression and its answer never came."""
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        authority_ = SessionAuthority(bus, PIPELINE)
+        await authority_.open("s1")
+        ownership = StageOwnership(bus, PIPELINE, NEXT, "w1", 5000)
+        _, lease = await ownership.acquire("s1", 0)
+        assert lease is not None
+        actor = SessionActor(
+            lease, ownership, EchoBackend({}), StageContext("s1", NEXT, lease.fence, {})
+        )
+        before = actor.ctx.fence
+        actor._stage(OutputDraft(OutputKind.TEXT_DELTA, text="old"), before, 1)
+        actor._producer_fence = before  # still producing the old epoch's answer
+        cancelled = await authority_.cancel("s1")  # not read by the stage yet
+        committed = await authority_.reserve_response("s1")  # the next turn, reserved
+        assert committed.turn_id > cancelled.fence.turn_id
+        await actor._flush(progress=False)  # refused: the old epoch's draft is dropped
+        # What the upstream stage produced after the cancel, for the turn before the
+        # commit, is still to be handled.
+        unread = OutputEvent(fence=cancelled.fence, stage=STAGE, kind=OutputKind.TEXT_DELTA,
+                             seq=2, source_seq=2, text="new")  # fmt: skip
+        assert decide(unread, actor.applied_seq, actor.ctx.fence, actor.view) is Step.HANDLE
+        # and the old epoch stays stale.
+        old = OutputEvent(fence=before, stage=STAGE, kind=OutputKind.TEXT_DELTA, seq=3,
+                          source_seq=3, text="old")  # fmt: skip
+        assert decide(old, actor.applied_seq, actor.ctx.fence, actor.view) is Step.DROP
     finally:
         await bus.aclose()

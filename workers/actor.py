@@ -429,8 +429,11 @@ class SessionActor:
             self._cancel_producer()
             self._producer_fence = None
             if current is not None and current.epoch > self.ctx.fence.epoch:
+                # Only the epoch: the authority's turn and response may already be
+                # ahead of inputs of the new epoch still unread (a commit reserved the
+                # next turn), and those must still be handled.
                 self.ctx.fence = self.ctx.fence.replace(epoch=current.epoch)
-                self.view.advance(current)
+                self.view.raise_epoch_floor(current.epoch)
             await self.backend.release(self.ctx, fence)
         return repaired
 
