@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
-from schemas.events import OutputEvent, OutputKind, decode_output
+from schemas.events import OutputEvent, OutputKind, TextPayload, decode_output
 from schemas.keys import Keys
 from tests.actor_helpers import NEXT, PIPELINE, STAGE, fail_over, owned_actor
 from workers.actor import SessionActor, Step, decide
@@ -207,3 +207,19 @@ async def test_a_refusal_for_a_cancel_moves_only_the_epoch_of_what_is_read_next(
         assert decide(old, actor.applied_seq, actor.ctx.fence, actor.view) is Step.DROP
     finally:
         await bus.aclose()
+
+
+async def test_an_input_after_an_unread_failover_and_cancel_is_answered(redis_server, key_prefix):
+    """Cause (found by the nemesis suite on a cluster, an answer lost): another stage's
+    failover raised the session's incarnation and a cancel its epoch, neither read by
+    this stage yet; the next input, stamped with both, was answered under the stage's
+    older fence, its older epoch included, and the publish dropped the answer."""
+    async with owned_actor(redis_server, key_prefix) as actor:
+        await fail_over(actor)  # the next stage moved: incarnation + 1, control unread
+        await authority(actor).cancel(actor.session_id)  # epoch + 1, control unread
+        await authority(actor).append(actor.session_id, "append_text", TextPayload("hi"))
+        bus = actor.ownership.bus
+        entries = await bus.xrange(bus.keys.session(actor.session_id).input)
+        await actor.apply([entry for entry in entries if b"e" in entry.fields])
+        assert [o.text for o in await published(actor)] == ["hi"]
+        assert await applied(actor) == 1

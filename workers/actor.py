@@ -268,10 +268,14 @@ class SessionActor:
             self.applied_seq = max(self.applied_seq, seq)
 
     def _follow(self, fence: Fence) -> None:
-        """Serve a newer fence an event carries (same incarnation, not regressed)."""
-        if fence.incarnation == self.ctx.fence.incarnation and (
-            fence_mismatch(self.ctx.fence, fence) is None
-        ):
+        """Serve a newer fence an event carries (not regressed). An event of a newer
+        incarnation (a failover whose control this stage has not read yet) is served
+        under it: the authority stamped it, and answering it under the older fence would
+        stamp the answer with an older epoch too, which a publish then drops."""
+        current = self.ctx.fence
+        if fence.incarnation > current.incarnation:
+            current = current.replace(incarnation=fence.incarnation)
+        if fence.incarnation == current.incarnation and fence_mismatch(current, fence) is None:
             self.ctx.fence = fence
 
     async def _handle(self, event: StageEvent) -> None:
