@@ -330,7 +330,13 @@ class Worker:
                     )
                     actor.end(ActorState.FAILED)
         finally:
-            await self._retire(actor)
+            try:
+                await self._retire(actor)
+            except Exception:
+                # Redis unreachable while handing back: the lease expires by itself and
+                # another worker takes the session over; this worker serves on.
+                log.exception("could not retire the session", extra=session_extra(
+                    actor.session_id, actor.ctx.fence, stage=self.stage))  # fmt: skip
 
     async def _retire(self, actor: SessionActor) -> None:
         session_id = actor.session_id
