@@ -315,7 +315,7 @@ class Connection:
             self.session_id, self.attachment, self.key_digest, _now_ms(), resume=False
         )
         bus = self.coordinator.bus
-        await bus.client.set(bus.keys.resume(token_hash(token)), self.session_id, ex=86_400)
+        await bus.set_durable(bus.keys.resume(token_hash(token)), self.session_id, 86_400)
         await self.hub.register(self)
         await self.socket.send_json(
             {
@@ -344,7 +344,7 @@ class Connection:
         # The token is good for one resume: the next one needs the token sent now.
         token = secrets.token_urlsafe(32)
         bus = self.coordinator.bus
-        await bus.client.set(bus.keys.resume(token_hash(token)), session_id, ex=86_400)
+        await bus.set_durable(bus.keys.resume(token_hash(token)), session_id, 86_400)
         await bus.client.delete(bus.keys.resume(token_hash(event.resume_token)))
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_server_event_seq, self.translator

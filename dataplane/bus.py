@@ -164,6 +164,7 @@ class RedisBus:
         self.hold_script = self._register(scripts.HOLD)
         self.detach_script = self._register(scripts.DETACH)
         self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)
+        self.set_durable_script = self._register(scripts.SET_DURABLE)
 
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)
@@ -205,6 +206,11 @@ class RedisBus:
         if isinstance(reply, list):
             return [_text(item) if isinstance(item, bytes) else item for item in reply]
         return [reply]
+
+    async def set_durable(self, key: str, value: str, ttl_s: int) -> None:
+        """SET with a TTL, acknowledged as durably as a script (on a cluster: once a
+        replica has it)."""
+        await self.run(self.set_durable_script, [key], [value, ttl_s])
 
     async def run_many(
         self, script: Any, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]

@@ -423,3 +423,12 @@ local n = 0
 for i = 2, #KEYS do n = n + redis.call('EXPIRE', KEYS[i], ARGV[1], 'NX') end
 return n
 """
+
+# KEYS: key    ARGV: value ttl_s
+# A plain SET with a TTL, as a script so that on a cluster it is acknowledged only
+# once a replica has it (``dataplane.replicated``): a resume token must survive the
+# loss of the primary that stored it.
+SET_DURABLE = r"""
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
