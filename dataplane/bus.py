@@ -36,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
 from dataplane.batching import ScriptBatcher
+from dataplane.cluster import cluster_client
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
 
@@ -104,22 +105,9 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 """URL schemes that name a Redis Cluster (any of its nodes) instead of one Redis."""
 
 
-def _cluster_client(url: str, **options: Any) -> Any:
-    """A Redis Cluster client: commands go to the node serving their keys' slot, and
-    the slot map is refreshed when a primary fails over to its replica."""
-    from redis.asyncio.cluster import RedisCluster
-
-    options.pop("single_connection_client", None)
-    options.pop("health_check_interval", None)
-    plain = url.replace("+cluster", "", 1)
-    return RedisCluster.from_url(
-        plain, cluster_error_retry_attempts=10, connection_error_retry_attempts=10, **options
-    )
-
-
 def _client(url: str, **options: Any) -> aioredis.Redis:
     if url.startswith(CLUSTER_SCHEMES):
-        return cast(aioredis.Redis, _cluster_client(url, **options))
+        return cast(aioredis.Redis, cluster_client(url, **options))
     single = bool(options.pop("single_connection_client", False))
     pool = _ReconnectingPool.from_url(url, **options)
     client = aioredis.Redis(connection_pool=pool, single_connection_client=single)

@@ -15,9 +15,13 @@ it serves on, acknowledging on its own, until a replica rejoins: a second
 failure in that window can lose writes, as with any one-copy store. Such
 writes are counted (``duplexq_unreplicated_writes_total``).
 
-A connection error, ``MOVED`` or ``CLUSTERDOWN`` (a failover under way) is
-retried after refreshing the slot map, with backoff; a retried script is
-recognised as a repeat where it had landed (``dataplane.scripts``).
+A failover error (``dataplane.cluster.FAILOVER_ERRORS``: a dead node,
+``CLUSTERDOWN``...), a redirection (``MOVED``, ``ASK``, ``READONLY`` from a
+demoted primary) or a missing replica acknowledgement is retried, after the slot
+map is learnt again, with backoff for up to ``dataplane.cluster.RETRY_S``: the
+same call is sent again, and a script that had landed recognises the repeat
+(``dataplane.scripts``), so a caller never sees an error for a write that may
+have landed while a retry could still tell.
 """
 
 from __future__ import annotations
@@ -26,19 +30,26 @@ import asyncio
 import time
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
+from dataplane.cluster import FAILOVER_ERRORS, RETRY_S
 from dataplane.metrics import UNREPLICATED_WRITES
 
-ATTEMPTS = 60
 REPLICA_CHECK_S = 1.0
 """How long a primary's replica count is trusted before it is asked again."""
 
 
 class NotReplicatedError(RuntimeError):
     """The primary has a replica, but it did not acknowledge the writes in time."""
+
+
+RETRIED: tuple[type[BaseException], ...] = (
+    *FAILOVER_ERRORS,
+    MovedError,
+    AskError,
+    ReadOnlyError,
+    NotReplicatedError,
+)
 
 
 class ReplicatedRunner:
@@ -51,30 +62,17 @@ class ReplicatedRunner:
         """Node name -> (when asked, connected replicas)."""
 
     async def run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        deadline = time.monotonic() + RETRY_S
         delay = 0.02
-        for attempt in range(ATTEMPTS):
+        while True:
             try:
                 return await self._once(script, keys, args)
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                pass
-            except ResponseError as exc:
-                if not str(exc).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")):
+            except RETRIED:
+                if time.monotonic() + delay > deadline:
                     raise
-            if attempt == ATTEMPTS - 1:
-                break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
-            await self._refresh()
-        raise RedisConnectionError(f"script not run after {ATTEMPTS} attempts")
-
-    async def _refresh(self) -> None:
-        """Learn the slot map again (a failover moved slots to a promoted replica). The
-        client's connections are closed first: a refresh replaces its node objects."""
-        try:
-            await self.cluster.aclose()
-            await self.cluster.initialize()
-        except Exception:  # the next attempt tries again
-            return
+            await self.cluster.refresh()
 
     async def _once(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         node = self.cluster.get_node_from_key(keys[0])

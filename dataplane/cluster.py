@@ -1,0 +1,184 @@
+"""The Redis Cluster client, steadied for failovers.
+
+redis-py's cluster client reacts to a failed node in ways that hurt a server
+with many commands in flight, so three of its reactions are changed here:
+
+- A connection to a dead node is not retried for long. A node's connections
+  retry their connect briefly (``CONNECT_RETRY``); the command is then retried
+  by the client as a whole, with the slot map learnt again, so it goes to the
+  replica promoted in the dead node's place.
+- A command is retried through a failover (``CLUSTERDOWN``, an unreachable
+  node, an uncovered slot) for up to ``RETRY_S`` with backoff, as a command on
+  one Redis is retried through a restart; redis-py alone gives up after a
+  fixed number of quick tries, long before a replica is promoted.
+- Learning the slot map again keeps the node objects (and their connections)
+  of nodes that still serve. redis-py replaces every node object and closes
+  every connection, including those other commands are using at that moment,
+  which fail with errors no retry covers (``AttributeError`` on a connection
+  closed under a write). Its "close everything and start again" on an error
+  is likewise turned into "learn the slot map again before the next command".
+
+``tests/test_cluster.py`` kills a primary with SIGKILL under load and checks
+that every acknowledged input is answered once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from typing import Any
+
+from redis.asyncio.cluster import NodesManager, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+RETRY_S = 30.0
+"""How long a command is retried through a failover before its error is raised."""
+
+FAILOVER_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+    MasterDownError,
+    ClusterError,  # "TTL exhausted": redirected too often while slots moved
+    RedisClusterException,  # no node reachable while the slot map was learnt
+)
+"""Errors that mean "the cluster is changing": retried with the slot map learnt again."""
+
+
+def connect_retry() -> Retry:
+    """A node's connect is retried briefly: a dead node must surface fast."""
+    return Retry(ExponentialBackoff(cap=0.05, base=0.01), retries=2)
+
+
+_in_command: contextvars.ContextVar[bool] = contextvars.ContextVar("in_command", default=False)
+"""True while a command of this task runs: redis-py's ``aclose`` from its error
+handling is then a request to learn the slot map again, not a shutdown."""
+
+
+_closing: set[asyncio.Task[None]] = set()
+"""Closes of nodes gone from the cluster, still running."""
+
+
+async def _close(node: Any) -> None:
+    try:
+        await node.disconnect()
+    except Exception:  # a dead node's sockets: nothing left to close cleanly
+        return
+
+
+class _StableNodes(NodesManager):
+    """Learns the slot map again but keeps the node objects of nodes still serving."""
+
+    __slots__ = ()
+
+    async def initialize(self) -> None:
+        await super().initialize()
+        # The slot map was built from fresh node objects; point it at the kept ones.
+        kept: dict[int, list[Any]] = {}
+        for slot, nodes in self.slots_cache.items():
+            same = kept.get(id(nodes))
+            if same is None:
+                same = kept[id(nodes)] = [self.nodes_cache.get(n.name, n) for n in nodes]
+            self.slots_cache[slot] = same
+
+    def set_nodes(self, old: Any, new: Any, remove_old: bool = False) -> None:
+        """As the parent, but a node still serving keeps its object (and connections);
+        only nodes gone from the cluster are closed."""
+        if remove_old:
+            for name in list(old):
+                if name not in new:
+                    task = asyncio.create_task(_close(old.pop(name)))
+                    _closing.add(task)
+                    task.add_done_callback(_closing.discard)
+        for name, node in new.items():
+            if name in old and old[name] is not node:
+                old[name].server_type = node.server_type
+            else:
+                old[name] = node
+
+    async def aclose(self, attr: str = "nodes_cache") -> None:
+        if _in_command.get():  # a failed slot-map refresh inside a command: keep serving
+            return
+        await super().aclose(attr)
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's asyncio cluster client with the failover behaviour described above."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nodes_manager.__class__ = _StableNodes
+        self._refreshing = asyncio.Lock()
+        self._refreshed_at = 0.0
+        """When the last successful refresh started."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + RETRY_S
+        delay = 0.02
+        token = _in_command.set(True)
+        try:
+            while True:
+                try:
+                    return await super().execute_command(*args, **kwargs)
+                except FAILOVER_ERRORS:
+                    if time.monotonic() + delay > deadline:
+                        raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                await self.refresh()
+        finally:
+            _in_command.reset(token)
+
+    async def refresh(self) -> None:
+        """Learn the slot map again (a failover moved slots to a promoted replica);
+        connections to nodes that still serve stay open. Errors are left to the next
+        command."""
+        asked = time.monotonic()
+        async with self._refreshing:
+            if self._refreshed_at >= asked:  # a refresh began after we asked: use it
+                return
+            started = time.monotonic()
+            token = _in_command.set(True)
+            try:
+                await self.nodes_manager.initialize()
+                self._initialize = False
+                self._refreshed_at = started
+            except Exception:  # no node answered yet: the next attempt asks again
+                self._initialize = True
+            finally:
+                _in_command.reset(token)
+
+    async def aclose(self) -> None:
+        if _in_command.get():  # redis-py's reaction to an error, not a shutdown
+            self._initialize = True
+            return
+        await super().aclose()
+
+
+def cluster_client(url: str, **options: Any) -> ClusterClient:
+    """A cluster client for a ``redis+cluster://`` URL (any node of the cluster)."""
+    options.pop("single_connection_client", None)
+    options.pop("health_check_interval", None)
+    options.pop("retry_on_error", None)
+    options["retry"] = connect_retry()
+    plain = url.replace("+cluster", "", 1)
+    client = ClusterClient.from_url(
+        plain, cluster_error_retry_attempts=1, connection_error_retry_attempts=1, **options
+    )
+    assert isinstance(client, ClusterClient)
+    return client
