@@ -1,6 +1,7 @@
 """``python -m chaos``: run the nemesis suite and write its report.
 
     python -m chaos --ci                       # the short seeded run CI asserts on
+    python -m chaos --ci --seed 5              # the same run under another schedule
     python -m chaos --seed 7 --duration 600    # a long run
     python -m chaos --faults kill_worker,kill_redis --clients 40
     python -m chaos --ci --redis-cluster       # the same on a Redis Cluster
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--ci", action="store_true", help="the short seeded CI run")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, help="the fault schedule's seed (default 1)")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of faults")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--coordinators", type=int, default=2)
@@ -70,8 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, help="report path (default: WORKDIR/report.json)")
     args = parser.parse_args(argv)
     if args.ci:
+        chosen_seed = args.seed
         for name, value in CI.items():
             setattr(args, name, value)
+        if chosen_seed is not None:  # the CI run's shape under another fault schedule
+            args.seed = chosen_seed
+    if args.seed is None:
+        args.seed = 1
     unknown = set(args.faults.split(",")) - set(FAULTS)
     if unknown:
         parser.error(f"unknown fault classes {sorted(unknown)}; known: {', '.join(FAULTS)}")
