@@ -253,6 +253,8 @@ class ChaosClient:
     async def _read(self, socket: ClientConnection) -> None:
         try:
             async for raw in socket:
+                if socket is not self._socket:
+                    continue  # resumed elsewhere: a client reads only its new socket
                 self._handle(json.loads(raw))
         except websockets.WebSocketException:
             pass
