@@ -37,6 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from dataplane import scripts
 from dataplane.batching import ScriptBatcher
 from dataplane.cluster import cluster_client
+from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
 
@@ -109,6 +110,8 @@ def _client(url: str, **options: Any) -> aioredis.Redis:
     if url.startswith(CLUSTER_SCHEMES):
         return cast(aioredis.Redis, cluster_client(url, **options))
     single = bool(options.pop("single_connection_client", False))
+    if url.startswith("redis://"):  # TLS and unix sockets keep redis-py's own classes
+        options["connection_class"] = PackedConnection
     pool = _ReconnectingPool.from_url(url, **options)
     client = aioredis.Redis(connection_pool=pool, single_connection_client=single)
     client.auto_close_connection_pool = True

@@ -43,6 +43,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dataplane.packing import PackedConnection
+
 RETRY_S = 30.0
 """How long a command is retried through a failover before its error is raised."""
 
@@ -181,4 +183,6 @@ def cluster_client(url: str, **options: Any) -> ClusterClient:
         plain, cluster_error_retry_attempts=1, connection_error_retry_attempts=1, **options
     )
     assert isinstance(client, ClusterClient)
+    # Nodes learnt from the slot map (every node commands go to) pack with hiredis.
+    client.nodes_manager.connection_kwargs["connection_class"] = PackedConnection
     return client
