@@ -254,7 +254,7 @@ def test_the_pipeline_file_is_chosen_by_an_environment_variable(env_file: Path) 
     for stage in pipeline_stages(chosen):
         assert services[stage]["command"][:3] == ["worker", "--stage", stage]
     for name, service in services.items():
-        if name != "redis":
+        if not name.startswith("redis"):  # Redis and the cluster profile's nodes
             assert pipeline_argument(service) == f"/app/{chosen}", name
 
 
@@ -292,3 +292,38 @@ def test_dockerfile_flavours_and_entrypoint() -> None:
     assert users and users[-1] not in ("root", "0"), "the image must not run as root"
     assert "espeak-ng" in text
     assert "https://download.pytorch.org/whl/cpu" in text
+
+
+def test_the_cluster_profile_runs_six_persisting_nodes_and_joins_them_once(
+    env_file: Path,
+) -> None:
+    cluster_env = {
+        "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379",
+        "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
+    }
+    config = compose_config(env_file, "cluster", env=cluster_env)
+    services = config["services"]
+    nodes = [f"redis-node-{i}" for i in range(6)]
+    persistence = " ".join(REDIS_PERSISTENCE)
+    for name in nodes:
+        node = services[name]
+        assert node["profiles"] == ["cluster"]
+        command = " ".join(node["command"])
+        assert "--cluster-enabled yes" in command
+        assert persistence in command and "noeviction" in command, name
+        assert f"--cluster-announce-hostname {name}" in command
+        assert volume_mounts(node)["/data"] == name
+    joiner = services["redis-cluster"]
+    assert set(joiner["depends_on"]) == set(nodes)
+    script = joiner["command"][0]
+    assert "--cluster-replicas 1" in script and "cluster_state:ok" in script
+    # The data plane goes to the cluster, arq's queue to the plain Redis.
+    for name in [*DUPLEXQ_SERVICES, *pipeline_stages(DEFAULT_PIPELINE)]:
+        env = services[name]["environment"]
+        assert env["DUPLEXQ_REDIS_URL"] == cluster_env["DUPLEXQ_REDIS_URL"], name
+        assert env["DUPLEXQ_CONTROL_REDIS_URL"] == cluster_env["DUPLEXQ_CONTROL_REDIS_URL"]
+    # Without the profile, nothing of the cluster runs.
+    default = compose_config(env_file)
+    for name in [*nodes, "redis-cluster"]:
+        idle = default["services"].get(name)
+        assert idle is None or idle["profiles"] == ["cluster"]
