@@ -30,12 +30,24 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import backlog, bargein, chart, failover, latency, raw, report, takein, throughput
+from bench import (
+    backlog,
+    bargein,
+    chart,
+    failover,
+    latency,
+    primaries,
+    raw,
+    report,
+    takein,
+    throughput,
+)
 from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.plan import FULL, QUICK, Plan
 
-SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein")
-NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling"}
+SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
+            "primaries")  # fmt: skip
+NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling", "primaries"}
 RESULTS = ROOT / "bench" / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 CHART = ROOT / "docs" / "benchmarks.png"
@@ -50,6 +62,7 @@ RUNNERS: dict[str, Section] = {
     "backlog": backlog.run,
     "scaling": latency.run_scaling,
     "takein": takein.run,
+    "primaries": primaries.run,
 }
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from schemas.config import PipelineConfig, Settings
 
@@ -87,16 +87,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class BenchRedis(Protocol):
+    """What a measurement needs of its Redis: one server or a cluster."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def pids(self) -> dict[str, int]: ...
+    def flush(self) -> None: ...
+
+
 class PrivateRedis:
     """One redis-server of a benchmark: own port, own temp dir, no persistence."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: list[str] | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup installs it)")
         self.binary = binary
         self.workdir = workdir
         self.port = free_port()
+        self.extra = extra or []
+        """More redis-server options (a cluster node's)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -109,6 +121,7 @@ class PrivateRedis:
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
             "--maxmemory-policy", "noeviction", "--logfile", str(self.workdir / "redis.log"),
+            *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -144,6 +157,11 @@ class PrivateRedis:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """The Redis processes whose CPU a benchmark counts."""
+        return {"redis": self.pid}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -230,6 +248,11 @@ class Child:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """The Redis processes whose CPU a benchmark counts."""
+        return {"redis": self.pid}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

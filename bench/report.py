@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import takein
+from bench import primaries, takein
 from bench.mdformat import f, ms_pair, table, x
 from bench.report_sections import (
     GPU_RESULTS,
@@ -24,6 +24,7 @@ from bench.report_sections import (
     scaling_section,
     throughput_section,
 )
+from bench.throughput import cpu_growth_rows
 
 
 def header(results: dict[str, Any], chart: str) -> str:
@@ -130,6 +131,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
                     x(cpu["total"] / raw_cpu["total"]) if raw_cpu["total"] else "-",
                 ]
             )
+    rows += cpu_growth_rows(tp.get("points", []))
     bi = ok.get("bargein", {})
     for name in ("echo", "vllm"):
         part = bi.get(name, {})
@@ -166,7 +168,9 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
         rows.append(["7", f"sessions within p99 +{sc['budget_ms']:g} ms, {row['workers']} "
                      "worker(s)", f(row["sessions_within_budget"]), "1 worker",
                      x(row["ratio_to_one_worker"])])  # fmt: skip
-    return rows + takein.summary_rows(ok.get("takein"))
+    return (
+        rows + takein.summary_rows(ok.get("takein")) + primaries.summary_rows(ok.get("primaries"))
+    )
 
 
 def summary_section(results: dict[str, Any]) -> str:
@@ -185,7 +189,8 @@ def not_measured(results: dict[str, Any]) -> str:
     if not GPU_RESULTS.exists():
         items.append("- vLLM on a GPU (section 8): no GPU machine was available; run "
                      "`bench/gpu.sh` on one.")  # fmt: skip
-    names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein")
+    names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
+             "primaries")  # fmt: skip
     missing = [name for name in names if name not in sections]
     if missing:
         items.append(f"- Sections not run yet: {', '.join(missing)}.")
@@ -221,6 +226,7 @@ def render(results: dict[str, Any], chart: str) -> str:
         scaling_section(sections.get("scaling")),
         gpu_section(),
         takein.section(sections.get("takein")),
+        primaries.section(sections.get("primaries")),
         not_measured(results),
         timings(results),
     ]

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.common import ROOT
 from bench.mdformat import cpu_us, f, failed, ms_pair, table, x
+from bench.throughput import CORES, per_worker_rows
 
 GPU_RESULTS = ROOT / "bench" / "gpu-results.json"
 
@@ -171,6 +172,18 @@ def throughput_section(s: dict[str, Any] | None) -> str:
         "first. When the processes' sum reaches the machine's cores, more worker processes\n"
         "cannot raise the rate: they add contention."
     )
+    per_worker = per_worker_rows(s["points"])
+    if per_worker:
+        out.append(
+            "\nPer worker process, and what the same CPU per event gives on a bigger machine:\n"
+            f"{CORES} cores shared by every process, Redis (one thread) capped at one core. On\n"
+            "2 cores the sum cannot grow with workers; the cost per event staying flat is what\n"
+            "says that adding workers adds capacity where there are cores for them. Where the\n"
+            "projection is Redis's one core, more is a Redis Cluster's work (section 10).\n"
+        )
+        out.append(table(
+            ["workers", "ev/s per worker", "CPU per event", "in workers", "in Redis",
+             f"projected on {CORES} cores"], per_worker))  # fmt: skip
     return "\n".join(out)
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    BenchRedis,
     CpuMeter,
-    PrivateRedis,
     WorkerPool,
     bench_settings,
     now_ns,
@@ -44,20 +44,20 @@ class Rig:
     collector: Collector
     session_ids: list[str]
     pool: WorkerPool
-    server: PrivateRedis
+    server: BenchRedis
     primed_s: float
     """Seconds from sending every new session its first chunk to the last echo: how long
     the workers took to take all the sessions (and answer once)."""
 
     def cpu_meter(self) -> CpuMeter:
-        pids = {"coordinator+client": os.getpid(), "redis": self.server.pid}
+        pids = {"coordinator+client": os.getpid(), **self.server.pids}
         pids.update({f"worker {c.name}": c.pid for c in self.pool.children})
         return CpuMeter(pids)
 
 
 @contextlib.asynccontextmanager
 async def echo_rig(
-    server: PrivateRedis,
+    server: BenchRedis,
     log_dir: Path,
     *,
     name: str,

@@ -54,3 +54,49 @@ async def run(
         "reference_batched_eps": batched,
         "points": points,
     }
+
+
+CORES = 16
+"""The bigger machine the per-worker table projects to."""
+
+
+def projected_eps(cpu: dict[str, float], cores: int = CORES) -> float:
+    """Events/s on ``cores`` cores from measured CPU per event: the processes' total CPU
+    spread over the cores, but Redis (one thread) capped at one core."""
+    total = cpu.get("total", 0.0)
+    redis_us = sum(v for k, v in cpu.items() if k.startswith("redis"))
+    limits = [cores * 1e6 / total if total else 0.0]
+    if redis_us:
+        limits.append(1e6 / redis_us)
+    return min(limits)
+
+
+def per_worker_rows(points: list[dict[str, Any]]) -> list[list[str]]:
+    """Per worker count: events/s per worker process, CPU per event (all processes, the
+    workers together, Redis) and the projection to ``CORES`` cores."""
+    rows = []
+    for p in points:
+        cpu = p.get("cpu_us_per_event") or {}
+        if not cpu:
+            continue
+        workers_us = sum(v for k, v in cpu.items() if k.startswith("worker"))
+        redis_us = sum(v for k, v in cpu.items() if k.startswith("redis"))
+        rows.append([
+            f"{p['workers']}", f"{p['events_per_s'] / p['workers']:,.0f}",
+            f"{cpu['total']:,.0f} us", f"{workers_us:,.0f} us", f"{redis_us:,.0f} us",
+            f"{projected_eps(cpu):,.0f} ev/s",
+        ])  # fmt: skip
+    return rows
+
+
+def cpu_growth_rows(points: list[dict[str, Any]]) -> list[list[Any]]:
+    """Summary rows: CPU per event with more workers, against one worker's."""
+    one = (points[0].get("cpu_us_per_event") or {}).get("total") if points else None
+    rows: list[list[Any]] = []
+    for p in points[1:]:
+        cpu = p.get("cpu_us_per_event") or {}
+        if cpu and one:
+            rows.append(["3", f"CPU per event, all processes, {p['workers']} workers",
+                         f"{cpu['total']:,.0f} us", f"1 worker {one:,.0f} us",
+                         f"{cpu['total'] / one:.2f}x"])  # fmt: skip
+    return rows
