@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -274,7 +275,11 @@ class Connection:
                 await self._open()
         except DuplexqError as exc:
             await self.socket.send_json(
-                {**error_event(exc.code.value, exc.message), "server_event_seq": 0}
+                {
+                    **error_event(exc.code.value, exc.message),
+                    "server_event_seq": 0,
+                    "event_id": _fresh_event_id(),
+                }
             )
             await self.socket.close(code=1008 if isinstance(exc, AuthError) else 1011)
             return
@@ -320,6 +325,7 @@ class Connection:
         await self.socket.send_json(
             {
                 "type": "session.created",
+                "event_id": _fresh_event_id(),
                 "server_event_seq": 0,
                 "session": {"id": self.session_id, **self.config.model_dump(mode="json")},
                 "resume_token": token,
@@ -354,7 +360,8 @@ class Connection:
             session_id, replay.follower.view.current, follower=replay.follower
         )
         await self.socket.send_json(
-            {"type": "session.resumed", "server_event_seq": replay.last_seq,
+            {"type": "session.resumed", "event_id": _fresh_event_id(),
+             "server_event_seq": replay.last_seq,
              "session": {"id": session_id}, "resume_token": token}
         )  # fmt: skip
         for server_event in replay.events:
@@ -379,11 +386,12 @@ class Connection:
                 event = parse_client_event(raw, self.hub.settings.max_event_bytes)
                 await self._handle(event)
             except DuplexqError as exc:
-                await self._error(exc)
+                await self._error(exc, _client_event_id(raw))
 
-    async def _error(self, exc: DuplexqError) -> None:
+    async def _error(self, exc: DuplexqError, client_event_id: str | None = None) -> None:
+        """Journal the error; it names the client event it answers when that had an id."""
         await self.coordinator.authority.journal(
-            self.session_id, error_event(exc.code.value, exc.message)
+            self.session_id, error_event(exc.code.value, exc.message, client_event_id)
         )
 
     async def _handle(self, event: ClientEvent) -> None:
@@ -481,6 +489,22 @@ class Connection:
                 self._turn_ended = None
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 await self.socket.send_json(server_event)
+
+
+def _fresh_event_id() -> str:
+    """The id of a server event that is not in the journal (journaled ones are numbered
+    by their place in it: ``coordinator.realtime``)."""
+    return f"event_{secrets.token_hex(8)}"
+
+
+def _client_event_id(raw: str) -> str | None:
+    """The ``event_id`` a client gave the event it sent, when it parses as one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    event_id = data.get("event_id") if isinstance(data, dict) else None
+    return event_id[:128] if isinstance(event_id, str) and event_id else None
 
 
 def _payload_size(payload: Payload) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
 
+from coordinator.frames import ResponseFrame, created
 from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import (
@@ -38,6 +39,12 @@ from schemas.fence import Fence
 from schemas.realtime import CLIENT_EVENT_TYPES, ClientEvent, SessionConfig, client_event_adapter
 
 ServerEvent = dict[str, Any]
+
+EXTENSION_EVENTS = frozenset({
+    "response.cancelled", "response.listen", "response.speak", "session.resumed",
+    "session.closed", "session.failover",
+})  # fmt: skip
+"""duplexq's own server events, beside the reference API's (docs/data-plane.md)."""
 
 SEQ_STRIDE = 1024
 """``server_event_seq`` = journal seq * SEQ_STRIDE + the event's index among those one
@@ -131,7 +138,8 @@ class ServerEventTranslator:
     def __init__(self, terminal_stages: Sequence[str]) -> None:
         self.terminal = frozenset(terminal_stages)
         self.life = ResponseLife()
-        self._parts: set[str] = set()
+        self._frame_of: ResponseFrame | None = None
+        """The streaming response's item and parts."""
         self._journal_seq = 0
         self._index = 0
 
@@ -146,7 +154,9 @@ class ServerEventTranslator:
         if journal_seq:
             self._journal_seq, self._index = journal_seq, 0
         for event in events:
-            event["server_event_seq"] = self._journal_seq * SEQ_STRIDE + self._index
+            seq = self._journal_seq * SEQ_STRIDE + self._index
+            event["server_event_seq"] = seq
+            event["event_id"] = f"event_{seq}"  # unique in the session, the same on a resume
             self._index += 1
             event.setdefault("fence", _fence_fields(item.fence))
         return events
@@ -162,22 +172,19 @@ class ServerEventTranslator:
         return []
 
     def _frame(self, changes: list[Change]) -> list[ServerEvent]:
-        """``response.created`` / ``response.done`` for what the response life decided;
-        a completed response's parts are closed first."""
+        """``response.created`` / the item's and parts' done events and ``response.done``
+        for what the response life decided."""
         events: list[ServerEvent] = []
         for change in changes:
             if isinstance(change, Created):
-                self._parts = set()
-                events.append({"type": "response.created",
-                               "response": {"id": change.response_id,
-                                            "status": "in_progress"}})  # fmt: skip
+                self._frame_of = ResponseFrame(change.response_id)
+                events.append(created(change.response_id))
                 continue
-            if change.status == "completed":
-                events += self._parts_done(change.response_id)
-            response: dict[str, Any] = {"id": change.response_id, "status": change.status}
-            if change.reason:
-                response["status_details"] = {"reason": change.reason}
-            events.append({"type": "response.done", "response": response})
+            frame = self._frame_of
+            if frame is None or frame.response_id != change.response_id:
+                frame = ResponseFrame(change.response_id)
+            events += frame.end(change.status, change.reason)
+            self._frame_of = None
         return events
 
     def _output(self, out: OutputEvent) -> list[ServerEvent]:
@@ -205,23 +212,16 @@ class ServerEventTranslator:
 
     def _delta(self, out: OutputEvent) -> list[ServerEvent]:
         events = self._frame(self.life.step(Item.OUTPUT, response_id(out.fence)))
-        rid = self.life.active
+        frame = self._frame_of
+        assert frame is not None  # the response life has just made this response active
         if out.kind is OutputKind.AUDIO_DELTA:
-            self._parts.add("audio")
-            delta = base64.b64encode(out.data).decode("ascii")
-            events.append({"type": "response.output_audio.delta", "response_id": rid,
-                           "delta": delta})  # fmt: skip
-        elif out.kind is OutputKind.TRANSCRIPT:
-            self._parts.add("transcript")
-            events.append({"type": "response.output_audio_transcript.delta",
-                           "response_id": rid, "delta": out.text})  # fmt: skip
-        elif out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
-            events.append({"type": f"response.{out.kind.value}", "response_id": rid})
-        else:
-            self._parts.add("text")
-            events.append({"type": "response.output_text.delta", "response_id": rid,
-                           "delta": out.text})  # fmt: skip
-        return events
+            return events + frame.audio(base64.b64encode(out.data).decode("ascii"))
+        if out.kind is OutputKind.TRANSCRIPT:
+            return events + frame.transcript(out.text)
+        if out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
+            return [*events, {"type": f"response.{out.kind.value}",
+                              "response_id": frame.response_id}]  # fmt: skip
+        return events + frame.text(out.text)
 
     def _done(self, out: OutputEvent) -> list[ServerEvent]:
         if out.stage not in self.terminal:
@@ -229,14 +229,6 @@ class ServerEventTranslator:
                 return [{"type": "input_audio_buffer.committed", "stage": out.stage}]
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
-
-    def _parts_done(self, rid: str) -> list[ServerEvent]:
-        names = {"audio": "output_audio", "text": "output_text",
-                 "transcript": "output_audio_transcript"}  # fmt: skip
-        return [
-            {"type": f"response.{names[part]}.done", "response_id": rid}
-            for part in sorted(self._parts)
-        ]
 
 
 def _fence_fields(fence: Fence) -> dict[str, int]:

@@ -365,10 +365,13 @@ async def test_a_a_unit_becomes_placeholders_and_the_model_speaks(engine, settin
             # The client sees speech as a response: speak, then text deltas.
             assert client_events(got) == (
                 ["response.created", "response.speak"]
+                + ["response.output_item.added", "conversation.item.added"]
+                + ["response.content_part.added"]
                 + ["response.output_text.delta"] * 4
                 + ["response.speak"]
                 + ["response.output_text.delta"] * 4
-                + ["response.output_text.done", "response.done"]
+                + ["response.output_text.done", "response.content_part.done"]
+                + ["response.output_item.done", "conversation.item.done", "response.done"]
             )
             assert not engine.live_request_ids()
     finally:

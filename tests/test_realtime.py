@@ -110,6 +110,9 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
             await client.send(raw)
             codes.append((await client.until("error"))[-1]["error"]["code"])
         assert codes == [code for _, code in BAD_INPUTS]
+        # An error names the client event it answers, when that had an id.
+        await client.send({"type": "no.such.event", "event_id": "evt_client_7"})
+        assert (await client.until("error"))[-1]["error"]["event_id"] == "evt_client_7"
         # A valid image is accepted; the session still answers.
         await client.send({"type": "input_video.append", "image": _png()})
         for event in text_turn("still here"):
@@ -117,6 +120,8 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
         second = await until_completed(client)
     assert _deltas(first) == "kept"
     assert "still here" in _deltas(second)
+    ids = [event["event_id"] for event in client.seen]
+    assert all(ids) and len(set(ids)) == len(ids)
 
 
 def _streaming(chunks=40, step_ms=20):

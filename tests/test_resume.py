@@ -197,7 +197,9 @@ async def test_a_resume_sends_nothing_cancelled_and_everything_still_owed(settin
         third = await auth.reserve_response("s1")
         await journal.delta("y", third)  # owed
         assert cancel.fence.epoch == 1
-        received = 1 * SEQ_STRIDE + 1  # response.created, then the delta "a"
+        # response.created, output_item.added, conversation.item.added,
+        # content_part.added, then the delta "a": the fifth event of journal entry 1.
+        received = 1 * SEQ_STRIDE + 4
         assert await resumed_deltas(coordinator, "s1", received) == ["x", "y"]
         assert await resumed_deltas(coordinator, "s1", 0) == ["x", "y"]
     finally:

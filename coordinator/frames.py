@@ -1,0 +1,154 @@
+"""One response's output item and content parts, framed as the Realtime API frames them.
+
+A response of a duplexq pipeline is one assistant message (output index 0). Its
+content parts open on their first delta, in the order they appear: a ``text``
+part (``response.output_text.*``) and an ``audio`` part that carries both the
+audio and its transcript (``response.output_audio.*`` and
+``response.output_audio_transcript.*``), as the reference API does. When the
+response ends, however it ends, every open part is closed with its done events
+and the whole text or transcript, then the item, then ``response.done`` lists
+the item. Pure and deterministic: the translator replays a journal through
+fresh frames on a resume (``coordinator.realtime``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ServerEvent = dict[str, Any]
+
+CANCEL_REASONS = {"barge_in": "turn_detected"}
+"""duplexq's cancel reasons as the reference API names them (default:
+``client_cancelled``: the client asked)."""
+
+
+def item_id_for(response_id: str) -> str:
+    """The id of a response's message item (``resp_E_T_R`` -> ``item_E_T_R``)."""
+    return "item_" + response_id.removeprefix("resp_")
+
+
+class _Part:
+    __slots__ = ("audio", "index", "kind", "text", "transcript")
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind = kind
+        self.index = index
+        self.text = ""
+        self.transcript = ""
+        self.audio = False
+
+    def standard(self) -> dict[str, Any]:
+        """The part as ``response.content_part.*`` carries it."""
+        if self.kind == "text":
+            return {"type": "text", "text": self.text}
+        return {"type": "audio", "transcript": self.transcript}
+
+    def content(self) -> dict[str, Any]:
+        """The part as the message item's content lists it."""
+        if self.kind == "text":
+            return {"type": "output_text", "text": self.text}
+        return {"type": "output_audio", "transcript": self.transcript}
+
+
+class ResponseFrame:
+    """The message item of one streaming response and its content parts."""
+
+    def __init__(self, response_id: str) -> None:
+        self.response_id = response_id
+        self.item_id = item_id_for(response_id)
+        self._parts: dict[str, _Part] = {}
+
+    def _ids(self, part: _Part | None = None) -> ServerEvent:
+        ids: ServerEvent = {"response_id": self.response_id, "item_id": self.item_id,
+                            "output_index": 0}  # fmt: skip
+        if part is not None:
+            ids["content_index"] = part.index
+        return ids
+
+    def _item(self, status: str) -> dict[str, Any]:
+        return {"id": self.item_id, "object": "realtime.item", "type": "message",
+                "role": "assistant", "status": status,
+                "content": [p.content() for p in self._parts.values()]}  # fmt: skip
+
+    def _part(self, kind: str) -> tuple[_Part, list[ServerEvent]]:
+        events: list[ServerEvent] = []
+        if not self._parts:
+            item = self._item("in_progress")
+            events.append({"type": "response.output_item.added", "response_id": self.response_id,
+                           "output_index": 0, "item": item})  # fmt: skip
+            events.append({"type": "conversation.item.added", "item": item})
+        part = self._parts.get(kind)
+        if part is None:
+            part = self._parts[kind] = _Part(kind, len(self._parts))
+            events.append({"type": "response.content_part.added", **self._ids(part),
+                           "part": part.standard()})  # fmt: skip
+        return part, events
+
+    def text(self, delta: str) -> list[ServerEvent]:
+        part, events = self._part("text")
+        part.text += delta
+        return [*events, {"type": "response.output_text.delta", **self._ids(part), "delta": delta}]
+
+    def transcript(self, delta: str) -> list[ServerEvent]:
+        part, events = self._part("audio")
+        part.transcript += delta
+        return [*events, {"type": "response.output_audio_transcript.delta", **self._ids(part),
+                          "delta": delta}]  # fmt: skip
+
+    def audio(self, delta_b64: str) -> list[ServerEvent]:
+        part, events = self._part("audio")
+        part.audio = True
+        return [*events, {"type": "response.output_audio.delta", **self._ids(part),
+                          "delta": delta_b64}]  # fmt: skip
+
+    def end(self, status: str, reason: str = "") -> list[ServerEvent]:
+        """Close every part and the item, then ``response.done`` with ``status``."""
+        events: list[ServerEvent] = []
+        for part in self._parts.values():
+            ids = self._ids(part)
+            if part.kind == "text":
+                events.append({"type": "response.output_text.done", **ids, "text": part.text})
+            else:
+                if part.transcript or not part.audio:
+                    events.append({"type": "response.output_audio_transcript.done", **ids,
+                                   "transcript": part.transcript})  # fmt: skip
+                if part.audio:
+                    events.append({"type": "response.output_audio.done", **ids})
+            events.append({"type": "response.content_part.done", **ids, "part": part.standard()})
+        output = []
+        if self._parts:
+            item = self._item("completed" if status == "completed" else "incomplete")
+            events.append({"type": "response.output_item.done", "response_id": self.response_id,
+                           "output_index": 0, "item": item})  # fmt: skip
+            events.append({"type": "conversation.item.done", "item": item})
+            output.append(item)
+        response: dict[str, Any] = {"id": self.response_id, "object": "realtime.response",
+                                    "status": status, "output": output}  # fmt: skip
+        if status != "completed":
+            response["status_details"] = _status_details(status, reason)
+        events.append({"type": "response.done", "response": response})
+        return events
+
+
+def created(response_id: str) -> ServerEvent:
+    return {
+        "type": "response.created",
+        "response": {
+            "id": response_id,
+            "object": "realtime.response",
+            "status": "in_progress",
+            "output": [],
+        },
+    }
+
+
+def _status_details(status: str, reason: str) -> dict[str, Any]:
+    """The reference API's status details; duplexq's own reason rides beside them under
+    ``duplexq`` (``superseded``: a newer response of the session took over;
+    ``session_closed``; the cancel event that ended it)."""
+    details: dict[str, Any] = {"type": status}
+    if status == "cancelled":
+        details["reason"] = CANCEL_REASONS.get(reason, "client_cancelled")
+    if reason:
+        details["duplexq"] = {"reason": reason}
+    return details
