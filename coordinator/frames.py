@@ -101,8 +101,11 @@ class ResponseFrame:
         return [*events, {"type": "response.output_audio.delta", **self._ids(part),
                           "delta": delta_b64}]  # fmt: skip
 
-    def end(self, status: str, reason: str = "") -> list[ServerEvent]:
-        """Close every part and the item, then ``response.done`` with ``status``."""
+    def end(
+        self, status: str, reason: str = "", error: dict[str, Any] | None = None
+    ) -> list[ServerEvent]:
+        """Close every part and the item, then ``response.done`` with ``status`` (and, for
+        a failed response, the ``error`` that failed it)."""
         events: list[ServerEvent] = []
         for part in self._parts.values():
             ids = self._ids(part)
@@ -126,6 +129,10 @@ class ResponseFrame:
                                     "status": status, "output": output}  # fmt: skip
         if status != "completed":
             response["status_details"] = _status_details(status, reason)
+        if status == "failed" and error is not None:
+            response["status_details"]["error"] = {
+                "type": error.get("type"), "code": error.get("code"),
+                "message": error.get("message")}  # fmt: skip
         events.append({"type": "response.done", "response": response})
         return events
 

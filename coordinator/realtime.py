@@ -171,7 +171,9 @@ class ServerEventTranslator:
             return [{"type": "session.failover", "stage": control.reason}]
         return []
 
-    def _frame(self, changes: list[Change]) -> list[ServerEvent]:
+    def _frame(
+        self, changes: list[Change], error: dict[str, Any] | None = None
+    ) -> list[ServerEvent]:
         """``response.created`` / the item's and parts' done events and ``response.done``
         for what the response life decided."""
         events: list[ServerEvent] = []
@@ -183,7 +185,7 @@ class ServerEventTranslator:
             frame = self._frame_of
             if frame is None or frame.response_id != change.response_id:
                 frame = ResponseFrame(change.response_id)
-            events += frame.end(change.status, change.reason)
+            events += frame.end(change.status, change.reason, error)
             self._frame_of = None
         return events
 
@@ -198,7 +200,9 @@ class ServerEventTranslator:
             return [{"type": "input_audio_buffer.speech_stopped", "stage": out.stage}]
         if kind is OutputKind.ERROR:
             code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
-            return [error_event(code, out.text)]
+            error = error_event(code, out.text)
+            failed = self.life.step(Item.FAILURE, response_id(out.fence), reason=code)
+            return [error, *self._frame(failed, error=error["error"])]
         if kind is OutputKind.TRANSCRIPT and out.meta.get("role") != "assistant":
             return [
                 {

@@ -17,12 +17,22 @@ through a fresh ``ResponseLife`` frames it exactly as the live reader did::
     streaming R cancel barrier               idle        done R cancelled (its reason)
     streaming R close barrier                idle        done R incomplete (session_closed)
     idle        cancel / close barrier       idle        -
+    streaming R failure of R                 idle        done R failed
+    idle        failure of R                 idle        created R, done R failed
+    streaming R failure of R' (R' != R)      idle        done R incomplete (superseded),
+                                                         created R', done R' failed
+    idle        failure of the response      idle        -
+                that ended last
 
 A *final done* is the ``done`` of a client-facing stage at the end of its chain
-(``terminal_stages``). ``R`` is the response id, derived from the fence the
-output was produced under. Every response that was created ends with exactly
-one ``response.done``; which server events frame the pieces of a response
-(deltas, transcripts) is the translator's business (``coordinator.realtime``).
+(``terminal_stages``); a *failure* is a stage's error output (the backend
+failed while answering): the response it belongs to ends ``failed``, so a
+client waiting for ``response.done`` gets it; an error under the id of the
+response that ended last (an input's error after its answer) ends nothing.
+``R`` is the response id, derived from the fence the output was produced under.
+Every response that was created ends with exactly one ``response.done``; which
+server events frame the pieces of a response (deltas, transcripts) is the
+translator's business (``coordinator.realtime``).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ class Item(Enum):
     FINAL_DONE = "final_done"
     CANCEL = "cancel"
     CLOSE = "close"
+    FAILURE = "failure"
 
 
 class Ended(NamedTuple):
@@ -63,11 +74,20 @@ class ResponseLife:
     def __init__(self) -> None:
         self.active: str | None = None
         """The streaming response's id; None when idle."""
+        self.ended: str | None = None
+        """The id of the response that ended last."""
 
     def step(self, item: Item, response_id: str | None = None, *, reason: str = "") -> list[Change]:
         """Apply one journal item (``response_id`` for outputs and final dones, the
         cancel's ``reason`` for a cancel); the responses it creates and ends, in the
         order their server events go out."""
+        changes = self._step(item, response_id, reason)
+        for change in changes:
+            if isinstance(change, Ended):
+                self.ended = change.response_id
+        return changes
+
+    def _step(self, item: Item, response_id: str | None, reason: str) -> list[Change]:
         active = self.active
         if item in (Item.CANCEL, Item.CLOSE):
             self.active = None
@@ -78,6 +98,8 @@ class ResponseLife:
             return [Ended(active, "incomplete", "session_closed")]
         if response_id is None:
             raise ValueError(f"a {item.value} belongs to a response")
+        if item is Item.FAILURE:
+            return self._failure(active, response_id, reason)
         if item is Item.FINAL_DONE:
             self.active = None
             if active is None:
@@ -89,3 +111,14 @@ class ResponseLife:
         if active is None:
             return [Created(response_id)]
         return [Ended(active, "incomplete", "superseded"), Created(response_id)]
+
+    def _failure(self, active: str | None, response_id: str, reason: str) -> list[Change]:
+        self.active = None
+        if active == response_id:
+            return [Ended(response_id, "failed", reason)]
+        if active is None and response_id == self.ended:
+            return []  # that response is over: the error alone tells it
+        changes: list[Change] = []
+        if active is not None:
+            changes.append(Ended(active, "incomplete", "superseded"))
+        return [*changes, Created(response_id), Ended(response_id, "failed", reason)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,10 +22,12 @@ from pydantic import TypeAdapter
 
 from coordinator.realtime import EXTENSION_EVENTS, ServerEventTranslator
 from schemas.config import echo_pipeline
-from schemas.events import ControlEvent, ControlKind, OutputEvent, OutputKind
+from schemas.events import ControlEvent, ControlKind, OutputEvent, OutputKind, TextPayload
 from schemas.fence import Fence
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.realtime_helpers import serving
+from workers.backends.base import BackendError, OutputDraft
+from workers.backends.echo import EchoBackend
 
 SERVER_EVENT: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
 TALKER = "talker"
@@ -190,3 +193,58 @@ async def test_a_text_turn_through_the_official_sdk_validates_event_by_event(sdk
     text_done = next(e for e in events if e["type"] == "response.output_text.done")
     assert text_done["text"] == "hello sdk"
     assert events[-1]["response"]["status"] == "completed"
+
+
+class _Fragile(EchoBackend):
+    """The echo backend, failing on one input as a model server might."""
+
+    async def handle(self, ctx: Any, event: Any) -> AsyncIterator[OutputDraft]:
+        if event.payload == TextPayload("boom"):
+            raise BackendError("the model fell over")
+        async for draft in super().handle(ctx, event):
+            yield draft
+
+
+def test_a_failure_ends_the_response_with_the_error_inside():
+    failure = _out(2, OutputKind.ERROR, stage="thinker", text="too long",
+                   meta={"code": "backend_error"})  # fmt: skip
+    events = _validated(_translate([TEXT_RESPONSE[0], failure]))
+    assert _types(events)[-4:] == ["response.content_part.done", "response.output_item.done",
+                                   "conversation.item.done", "response.done"]  # fmt: skip
+    assert "error" in _types(events)
+    done = events[-1]["response"]
+    assert done["status"] == "failed"
+    assert done["status_details"]["error"]["code"] == "backend_error"
+
+
+async def test_a_backend_failure_through_the_sdk_ends_in_a_failed_response_done(sdk_settings):
+    pipeline = echo_pipeline("echo")
+    async with (
+        serving(sdk_settings, pipeline) as base,
+        running_worker(sdk_settings, pipeline, "echo", backend=_Fragile()),
+    ):
+        client = AsyncOpenAI(api_key="k1", websocket_base_url=f"{base}/v1")
+        events: list[dict[str, Any]] = []
+
+        async def turn(text: str) -> dict[str, Any]:
+            await connection.conversation.item.create(
+                item={"type": "message", "role": "user",
+                      "content": [{"type": "input_text", "text": text}]}
+            )  # fmt: skip
+            await connection.response.create()
+            async with asyncio.timeout(15):
+                while True:
+                    events.append(json.loads(await connection.recv_bytes()))
+                    if events[-1]["type"] == "response.done" and (
+                        events[-1]["response"]["status"] != "completed" or text != "boom"
+                    ):
+                        return events[-1]["response"]
+
+        async with client.realtime.connect(model="duplexq") as connection:
+            failed = await turn("boom")
+            after = await turn("still here")
+        await client.close()
+    _validated([e for e in events if e["type"] not in SDK_NOT_YET])
+    assert failed["status"] == "failed"
+    assert failed["status_details"]["error"]["message"] == "the model fell over"
+    assert after["status"] == "completed"

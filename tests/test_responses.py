@@ -49,3 +49,20 @@ def test_every_created_response_ends_exactly_once():
 def test_outputs_and_final_dones_name_their_response():
     with pytest.raises(ValueError, match="belongs to a response"):
         ResponseLife().step(Item.OUTPUT)
+
+
+@pytest.mark.parametrize(
+    ("active", "ended", "rid", "changes", "after"),
+    [
+        ("r1", None, "r1", [Ended("r1", "failed", "backend_error")], None),
+        (None, None, "r1", [Created("r1"), Ended("r1", "failed", "backend_error")], None),
+        ("r1", None, "r2", [Ended("r1", "incomplete", "superseded"), Created("r2"),
+                            Ended("r2", "failed", "backend_error")], None),
+        (None, "r1", "r1", [], None),
+    ],
+)  # fmt: skip
+def test_a_failure_ends_its_response_failed_once(active, ended, rid, changes, after):
+    responses = life(active)
+    responses.ended = ended
+    assert responses.step(Item.FAILURE, rid, reason="backend_error") == changes
+    assert responses.active == after
