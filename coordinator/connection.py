@@ -30,6 +30,8 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from coordinator.attachments import Attachments, key_digest
 from coordinator.output_reader import Delivery
 from coordinator.realtime import (
@@ -77,6 +79,7 @@ from schemas.realtime import (
     SessionUpdate,
     VideoAppend,
 )
+from schemas.session_shape import merged, session_object
 
 log = logging.getLogger("duplexq.coordinator")
 
@@ -327,7 +330,7 @@ class Connection:
                 "type": "session.created",
                 "event_id": _fresh_event_id(),
                 "server_event_seq": 0,
-                "session": {"id": self.session_id, **self.config.model_dump(mode="json")},
+                "session": session_object(self.session_id, self.config),
                 "resume_token": token,
                 "fence": {"incarnation": fence.incarnation, "epoch": 0, "turn_id": 0,
                           "response_seq": 0},
@@ -347,6 +350,7 @@ class Connection:
         except SessionClosedError as exc:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
         self.session_id = session_id
+        self.config = await self._stored_config()
         # The token is good for one resume: the next one needs the token sent now.
         token = secrets.token_urlsafe(32)
         bus = self.coordinator.bus
@@ -366,6 +370,12 @@ class Connection:
         )  # fmt: skip
         for server_event in replay.events:
             await self.socket.send_json(server_event)
+
+    async def _stored_config(self) -> SessionConfig:
+        """The session's configuration as its last ``session.update`` left it."""
+        sk = self.coordinator.bus.keys.session(self.session_id)
+        raw = (await self.coordinator.bus.hmget(sk.meta, ["config"]))[0]
+        return SessionConfig.model_validate_json(raw) if raw else SessionConfig()
 
     async def _session_for_token(self, token: str) -> str:
         bus = self.coordinator.bus
@@ -397,8 +407,17 @@ class Connection:
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
         if isinstance(event, SessionUpdate):
-            self.config = event.session
-            await self._notice("session.updated", session=event.session.model_dump(mode="json"))
+            try:
+                self.config = merged(self.config, event.session)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"]) or "session"
+                raise ProtocolError(
+                    ErrorCode.INVALID_EVENT, f"session.update: {where}: {first['msg']}"
+                ) from exc
+            sk = self.coordinator.bus.keys.session(sid)
+            await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
+            await self._notice("session.updated", session=session_object(sid, self.config))
         elif isinstance(event, AudioAppend):
             await self._append(
                 InputMode.APPEND_AUDIO_CHUNK, audio_payload(event.audio, self.config)

@@ -11,7 +11,7 @@ Client events:
 =============================  =============================================
 type                           effect
 =============================  =============================================
-session.update                 session configuration (audio format, VAD, ...)
+session.update                 change the session (GA or beta shape, merged)
 input_audio_buffer.append      base64 audio (pcm16 by default, 24 kHz)
 input_audio_buffer.commit      end of the user's turn
 input_audio_buffer.clear       drop audio since the last commit
@@ -66,8 +66,10 @@ class SessionConfig(BaseModel):
 
 
 class SessionUpdate(_Event):
+    """The fields to change, in the GA or the beta shape (``schemas.session_shape``)."""
+
     type: Literal["session.update"]
-    session: SessionConfig = SessionConfig()
+    session: dict[str, Any] = Field(default_factory=dict)
 
 
 class AudioAppend(_Event):

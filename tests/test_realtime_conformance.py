@@ -25,7 +25,7 @@ from schemas.config import echo_pipeline
 from schemas.events import ControlEvent, ControlKind, OutputEvent, OutputKind, TextPayload
 from schemas.fence import Fence
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.realtime_helpers import serving
+from tests.realtime_helpers import Client, serving
 from workers.backends.base import BackendError, OutputDraft
 from workers.backends.echo import EchoBackend
 
@@ -153,9 +153,8 @@ def test_every_server_event_has_a_unique_event_id():
 
 # -- through the official SDK, end to end -------------------------------------------------
 
-SDK_NOT_YET = frozenset({"session.created", "session.updated"})
-"""Standard events whose duplexq shape does not conform yet (the session object still
-has the beta shape); everything else a text turn brings is validated."""
+SDK_NOT_YET: frozenset[str] = frozenset()
+"""Standard events whose duplexq shape does not conform yet."""
 
 
 @pytest.fixture
@@ -248,3 +247,51 @@ async def test_a_backend_failure_through_the_sdk_ends_in_a_failed_response_done(
     assert failed["status"] == "failed"
     assert failed["status_details"]["error"]["message"] == "the model fell over"
     assert after["status"] == "completed"
+
+
+# -- the session object ---------------------------------------------------------------------
+
+
+async def test_session_updates_merge_in_the_ga_shape_and_survive_a_resume(sdk_settings):
+    pipeline = echo_pipeline("echo")
+    async with serving(sdk_settings, pipeline) as base:
+        async with Client.connect(base) as first:
+            created = await first.recv()
+            SERVER_EVENT.validate_python(created)
+            token = created["resume_token"]
+            await first.send({"type": "session.update", "session": {
+                "type": "realtime", "instructions": "Be brief.",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                    "turn_detection": None}}}})  # fmt: skip
+            one = (await first.until("session.updated"))[-1]
+            # A second update names only the voice: the rest is kept.
+            await first.send({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"output": {"voice": "verse"}}}})  # fmt: skip
+            two = (await first.until("session.updated"))[-1]
+            # A value the session cannot take is an error; the session is unchanged.
+            await first.send({"type": "session.update", "event_id": "evt_bad", "session": {
+                "type": "realtime", "audio": {"input": {"format": {"rate": 1}}}}})  # fmt: skip
+            bad = (await first.until("error"))[-1]
+            last = max(e["server_event_seq"] for e in first.seen)
+        async with Client.connect(base) as second:
+            await second.send({"type": "session.resume", "resume_token": token,
+                               "last_received_server_event_seq": last})  # fmt: skip
+            assert (await second.recv())["type"] == "session.resumed"
+            # Beta-shaped updates are still read; the resumed session kept the rest. (A
+            # 16 kHz input is duplexq's own: the reference API takes 24 kHz PCM only.)
+            await second.send({"type": "session.update", "session": {
+                "modalities": ["text"], "input_audio_sample_rate": 16000}})  # fmt: skip
+            three = (await second.until("session.updated"))[-1]
+    for event in (one, two):
+        SERVER_EVENT.validate_python(event)
+    assert one["session"]["instructions"] == "Be brief."
+    assert one["session"]["audio"]["input"]["turn_detection"] is None
+    assert two["session"]["audio"]["output"]["voice"] == "verse"
+    assert two["session"]["instructions"] == "Be brief."
+    assert bad["error"]["code"] == "invalid_event" and bad["error"]["event_id"] == "evt_bad"
+    session = three["session"]
+    assert session["output_modalities"] == ["text"]
+    assert session["instructions"] == "Be brief."
+    assert session["audio"]["output"]["voice"] == "verse"
+    assert session["audio"]["input"]["turn_detection"] is None
+    assert session["audio"]["input"]["format"]["rate"] == 16000
