@@ -135,7 +135,11 @@ class Hub:
     def check_key(self, presented: str | None) -> None:
         if self.settings.allow_anonymous and not presented:
             return
-        if presented and any(hmac.compare_digest(presented, key) for key in self.settings.api_keys):
+        # Compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters,
+        # and a malformed key must be refused like any wrong one, not crash the handshake.
+        given = (presented or "").encode("utf-8", "surrogateescape")
+        keys = self.settings.api_keys
+        if given and any(hmac.compare_digest(given, key.encode()) for key in keys):
             return
         raise AuthError("a valid API key is required")
 

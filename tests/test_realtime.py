@@ -57,6 +57,11 @@ async def test_auth_is_required(settings):
                 async with Client.connect(base, key=key):
                     pass
             assert info.value.response.status_code == 403
+        # A key with characters outside ASCII is refused as a wrong one, not a crash.
+        with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+            async with websockets.connect(f"{base}/v1/realtime?api_key=cl%C3%A9"):
+                pass
+        assert info.value.response.status_code == 403
         async with websockets.connect(f"{base}/v1/realtime?api_key=k1") as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
 

@@ -371,7 +371,10 @@ async def test_b_barge_in_aborts_the_running_request(engine, settings):
 
 @engine_test
 async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engine, settings):
-    max_tokens = 200
+    # Long enough that the engine is still generating when the first delta has gone
+    # through Redis to the coordinator, on a loaded machine too (200 tokens once ran out
+    # first); short enough that both exchanges fit max_model_len (1024).
+    max_tokens = 400
     pipeline = chat_pipeline()
     coordinator = Coordinator(settings, pipeline)
     first_backend = backend_for(engine, max_tokens=max_tokens)
