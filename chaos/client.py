@@ -73,6 +73,8 @@ class ChaosClient:
         self._socket: ClientConnection | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._cancel_from = 0
+        self._cancel_refused = False
+        """The last cancel found no response in progress (the answer had ended)."""
         self._changed = asyncio.Event()
         self._lost_socket = asyncio.Event()
         self.session_id = ""
@@ -137,9 +139,10 @@ class ChaosClient:
                 await self._resume()
                 if not self.acked:
                     return False
-                if cancel_sent and self.cancel_epoch <= self._cancel_from:
+                lost = self.cancel_epoch <= self._cancel_from and not self._cancel_refused
+                if cancel_sent and lost:
                     await self._cancel()  # it may have been lost with the socket
-            if cancel_sent and self.cancel_epoch > self._cancel_from:
+            if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
             if not cancel_sent and len(self.blocks) >= BLOCKS and cancel_after is None:
                 return True
@@ -158,6 +161,7 @@ class ChaosClient:
 
     async def _cancel(self) -> None:
         self._cancel_from = self.cancel_epoch
+        self._cancel_refused = False
         kind = self.rng.choice(("response.cancel", "barge_in"))
         self._record("cancel_sent", attempt=self.outstanding, detail=kind)
         await self._send({"type": kind})
@@ -298,6 +302,11 @@ class ChaosClient:
                     self.blocks.add(block.position)
                 self._record("block", attempt=block.attempt, block=block.position, epoch=epoch)
         elif kind == "error":
-            self._record("error", detail=str((event.get("error") or {}).get("code")))
+            code = str((event.get("error") or {}).get("code"))
+            if code == "response_cancel_not_active":
+                self._cancel_refused = True
+                self._record("cancel_refused")
+            else:
+                self._record("error", detail=code)
         elif kind == "session.closed":
             self._record("dead", detail="session closed")

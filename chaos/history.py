@@ -50,8 +50,11 @@ def parse_blocks(delta: str) -> tuple[list[Block], bool]:
 
 
 Kind = Literal[
-    "send", "ack", "block", "cancel_sent", "cancelled", "drop", "resume", "dead", "error", "garbled"
-]
+    "send", "ack", "block", "cancel_sent", "cancelled", "cancel_refused", "drop", "resume",
+    "dead", "error", "garbled",
+]  # fmt: skip
+"""``cancel_refused``: the server answered a ``response.cancel`` with
+``response_cancel_not_active`` (the answer had ended already)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from coordinator.realtime import (
     error_event,
     image_payload,
     parse_client_event,
+    response_id,
 )
 from coordinator.resume import replay_journal
 from coordinator.service import Coordinator
@@ -71,6 +72,7 @@ from schemas.realtime import (
     BargeIn,
     ClientEvent,
     ItemCreate,
+    OutputAudioClear,
     PlaybackAck,
     ResponseCancel,
     ResponseCreate,
@@ -264,6 +266,9 @@ class Connection:
         self.translator = ServerEventTranslator(hub.terminal)
         self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self.min_epoch = 0
+        self._ended_up_to = 0
+        """The highest response_seq whose response this connection has seen end (or has
+        cancelled): with the session's reserved one, whether a response is in progress."""
         self.uncommitted = False
         self._pending: deque[tuple[int, int]] = deque()
         self._pending_bytes = 0
@@ -441,17 +446,36 @@ class Connection:
             await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
             self.uncommitted = False
             await self._notice("input_audio_buffer.cleared")
-        elif isinstance(event, ResponseCancel | BargeIn):
+        elif isinstance(event, ResponseCancel | BargeIn | OutputAudioClear):
+            if isinstance(event, ResponseCancel) and not await self._response_active():
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_CANCEL_NOT_ACTIVE, "no response is in progress to cancel"
+                )
             started = time.monotonic()
+            active = self.translator.active
             result = await self.coordinator.cancel(sid, reason=event.type)
             self.min_epoch = max(self.min_epoch, result.fence.epoch)
+            self._ended_up_to = max(self._ended_up_to, result.fence.response_seq)
             CANCEL_ACK.observe(time.monotonic() - started)
+            if isinstance(event, OutputAudioClear):
+                cleared = active or response_id(result.cancelled)
+                await self._notice("output_audio_buffer.cleared", response_id=cleared)
         elif isinstance(event, PlaybackAck):
             await self._append(
                 InputMode.PLAYBACK_ACK, PlaybackPayload(event.response_id, event.played_ms)
             )
         elif isinstance(event, SessionResume):
             raise ProtocolError(ErrorCode.INVALID_EVENT, "session.resume must be the first event")
+
+    async def _response_active(self) -> bool:
+        """Whether a response is streaming, or reserved (a commit, the server VAD's turn
+        end) and not yet seen to end. A resumed connection has seen no end yet, so it
+        counts every reserved response as in progress: it never refuses wrongly."""
+        if self.translator.active is not None:
+            return True
+        sk = self.coordinator.bus.keys.session(self.session_id)
+        reserved = (await self.coordinator.bus.hmget(sk.meta, ["resp"]))[0]
+        return int(reserved or 0) > self._ended_up_to
 
     async def _commit(self, *, announce: bool) -> None:
         if not announce and not self.uncommitted:
@@ -511,6 +535,9 @@ class Connection:
                 FIRST_OUTPUT.observe(time.monotonic() - self._turn_ended)
                 self._turn_ended = None
             for server_event in self.translator.translate(event, delivery.server_event_seq):
+                if server_event["type"] == "response.done":
+                    ended = int(server_event["fence"]["response_seq"])
+                    self._ended_up_to = max(self._ended_up_to, ended)
                 await self.socket.send_json(server_event)
 
 

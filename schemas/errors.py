@@ -52,6 +52,9 @@ class ErrorCode(StrEnum):
     STAGE_ERROR = "stage_error"
     SESSION_FAILED = "session_failed"
     """A stage failed on the session too many times in a row; it was closed."""
+    RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
+    """``response.cancel`` while no response is reserved or streaming (as the reference
+    API answers it); ``barge_in`` is never refused."""
 
 
 class DuplexqError(Exception):

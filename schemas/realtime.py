@@ -18,8 +18,9 @@ input_audio_buffer.clear       drop audio since the last commit
 input_video.append             a base64 image (JPEG/PNG/WebP) [duplex]
 conversation.item.create       a user text message
 response.create                ask for a response now
-response.cancel                cancel the response in progress
-barge_in                       the user interrupts (same as cancel) [duplex]
+response.cancel                cancel the response in progress (an error if none)
+output_audio_buffer.clear      cut the response's audio off (a cancel)
+barge_in                       the user interrupts (cancels, never refused) [duplex]
 playback.ack                   how far the client played a response [duplex]
 session.resume                 reattach with a resume token [duplex]
 =============================  =============================================
@@ -126,6 +127,12 @@ class BargeIn(_Event):
     type: Literal["barge_in"]
 
 
+class OutputAudioClear(_Event):
+    """Cut off the response's audio: the response is cancelled, as a barge-in."""
+
+    type: Literal["output_audio_buffer.clear"]
+
+
 class PlaybackAck(_Event):
     type: Literal["playback.ack"]
     response_id: str = Field("", max_length=128)
@@ -148,6 +155,7 @@ ClientEvent = Annotated[
     | ResponseCreate
     | ResponseCancel
     | BargeIn
+    | OutputAudioClear
     | PlaybackAck
     | SessionResume,
     Field(discriminator="type"),
@@ -164,6 +172,7 @@ CLIENT_EVENT_TYPES = frozenset(
         "response.create",
         "response.cancel",
         "barge_in",
+        "output_audio_buffer.clear",
         "playback.ack",
         "session.resume",
     )

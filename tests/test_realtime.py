@@ -286,7 +286,8 @@ async def test_health_readiness_and_metrics(settings):
             for event in text_turn("measure me"):
                 await client.send(event)
             await until_completed(client)
-            await client.send({"type": "response.cancel"})
+            # The answer is over: a response.cancel would be refused; a barge-in never is.
+            await client.send({"type": "barge_in"})
             await client.until("response.cancelled")
             status, metrics = await asyncio.to_thread(_get, f"{http}/metrics")
     assert status == 200

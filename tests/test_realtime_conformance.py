@@ -295,3 +295,47 @@ async def test_session_updates_merge_in_the_ga_shape_and_survive_a_resume(sdk_se
     assert session["audio"]["output"]["voice"] == "verse"
     assert session["audio"]["input"]["turn_detection"] is None
     assert session["audio"]["input"]["format"]["rate"] == 16000
+
+
+# -- cancelling ---------------------------------------------------------------------------
+
+
+async def test_cancelling_nothing_is_an_error_and_clearing_audio_cancels(sdk_settings):
+    pipeline = _streaming_echo()
+    async with (
+        serving(sdk_settings, pipeline) as base,
+        running_worker(sdk_settings, pipeline, "echo"),
+        Client.connect(base) as client,
+    ):
+        await client.recv()
+        # Nothing reserved, nothing streaming: refused, and the session goes on.
+        await client.send({"type": "response.cancel", "event_id": "evt_c1"})
+        refused = (await client.until("error"))[-1]
+        await client.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "a long answer " * 10}]}})  # fmt: skip
+        await client.send({"type": "response.create"})
+        await client.until("response.output_text.delta")
+        # While it streams, clearing the output audio cancels it.
+        await client.send({"type": "output_audio_buffer.clear"})
+        cut = await client.until("output_audio_buffer.cleared")
+        done = [e for e in cut if e["type"] == "response.done"]
+        # The answer ended: a cancel now finds nothing again; a barge-in is never refused.
+        await client.send({"type": "response.cancel"})
+        again = (await client.until("error"))[-1]
+        await client.send({"type": "barge_in"})
+        await client.until("response.cancelled")
+    assert refused["error"]["code"] == "response_cancel_not_active"
+    assert refused["error"]["event_id"] == "evt_c1"
+    assert [d["response"]["status"] for d in done] == ["cancelled"]
+    assert done[0]["response"]["status_details"]["reason"] == "client_cancelled"
+    _validated([e for e in client.seen if e["type"] not in SDK_NOT_YET])
+    assert cut[-1]["response_id"] == done[0]["response"]["id"]
+    assert again["error"]["code"] == "response_cancel_not_active"
+
+
+def _streaming_echo() -> Any:
+    """The echo stage answering in 64 chunks 50 ms apart: about 3 s of streaming."""
+    pipeline = echo_pipeline("echo")
+    stage = pipeline.stages[0].model_copy(update={"options": {"chunks": 64, "step_ms": 50}})
+    return pipeline.model_copy(update={"stages": (stage,)})
