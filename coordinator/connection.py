@@ -481,11 +481,11 @@ class Connection:
         if not announce and not self.uncommitted:
             return  # response.create right after a commit: that commit already asked
         await self.coordinator.authority.reserve_response(self.session_id)
-        await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
+        receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
         self.uncommitted = False
         self._turn_ended = time.monotonic()
         if announce:
-            await self._notice("input_audio_buffer.committed")
+            await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self.coordinator.authority.journal(self.session_id, {"type": event_type, **fields})

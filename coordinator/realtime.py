@@ -195,9 +195,13 @@ class ServerEventTranslator:
             notice: ServerEvent = json.loads(out.text)
             return [notice]
         if kind is OutputKind.SPEECH_STARTED:
-            return [{"type": "input_audio_buffer.speech_started", "stage": out.stage}]
+            return [{"type": "input_audio_buffer.speech_started", "stage": out.stage,
+                     "audio_start_ms": _ms(out, "audio_start_ms"),
+                     "item_id": _speech_item(out)}]  # fmt: skip
         if kind is OutputKind.SPEECH_STOPPED:
-            return [{"type": "input_audio_buffer.speech_stopped", "stage": out.stage}]
+            return [{"type": "input_audio_buffer.speech_stopped", "stage": out.stage,
+                     "audio_end_ms": _ms(out, "audio_end_ms"),
+                     "item_id": _speech_item(out)}]  # fmt: skip
         if kind is OutputKind.ERROR:
             code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
             error = error_event(code, out.text)
@@ -230,9 +234,25 @@ class ServerEventTranslator:
     def _done(self, out: OutputEvent) -> list[ServerEvent]:
         if out.stage not in self.terminal:
             if out.meta.get("turn_end"):
-                return [{"type": "input_audio_buffer.committed", "stage": out.stage}]
+                return [{"type": "input_audio_buffer.committed", "stage": out.stage,
+                         "item_id": _speech_item(out)}]  # fmt: skip
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
+
+
+def _speech_item(out: OutputEvent) -> str:
+    """The id of the user's audio item an utterance makes: the voice activity stage
+    numbers its utterances (``segment``); a turn end without one (a commit) is named by
+    the output that carried it."""
+    segment = out.meta.get("segment")
+    if segment is not None:
+        return f"item_speech_{out.fence.incarnation}_{segment}"
+    return f"item_turn_{out.stage}_{out.fence.incarnation}_{out.seq}"
+
+
+def _ms(out: OutputEvent, name: str) -> int:
+    value = out.meta.get(name, 0)
+    return int(value) if isinstance(value, int | float) else 0
 
 
 def _fence_fields(fence: Fence) -> dict[str, int]:

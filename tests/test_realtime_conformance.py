@@ -144,6 +144,22 @@ def test_a_superseded_response_is_incomplete_and_the_next_one_starts_fresh():
     assert len(set(added)) == 2
 
 
+def test_speech_events_carry_their_times_and_one_item_id_per_utterance():
+    vad = "vad"
+    utterance = [
+        _out(1, OutputKind.SPEECH_STARTED, stage=vad, meta={"audio_start_ms": 320, "segment": 1}),
+        _out(2, OutputKind.SPEECH_STOPPED, stage=vad, meta={"audio_end_ms": 1840, "segment": 1}),
+        _out(3, OutputKind.DONE, stage=vad, meta={"reason": "silence", "turn_end": True,
+                                                   "segment": 1}),
+        _out(4, OutputKind.DONE, stage=vad, meta={"reason": "commit", "turn_end": True}),
+    ]  # fmt: skip
+    started, stopped, committed, by_commit = _validated(_translate(utterance))
+    assert started["audio_start_ms"] == 320 and stopped["audio_end_ms"] == 1840
+    assert started["item_id"] == stopped["item_id"] == committed["item_id"]
+    assert committed["type"] == by_commit["type"] == "input_audio_buffer.committed"
+    assert by_commit["item_id"] != committed["item_id"]
+
+
 def test_every_server_event_has_a_unique_event_id():
     cancel = ControlEvent(ControlKind.CANCEL, _f(1), _f(), "barge_in")
     events = _translate([*TEXT_RESPONSE, _out(4, OutputKind.TEXT_DELTA, fence=_f(0, 2)), cancel])
