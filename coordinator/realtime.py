@@ -208,12 +208,10 @@ class ServerEventTranslator:
             failed = self.life.step(Item.FAILURE, response_id(out.fence), reason=code)
             return [error, *self._frame(failed, error=error["error"])]
         if kind is OutputKind.TRANSCRIPT and out.meta.get("role") != "assistant":
-            return [
-                {
-                    "type": "conversation.item.input_audio_transcription.completed",
-                    "transcript": out.text,
-                }
-            ]
+            usage = {"type": "duration", "seconds": _number(out, "audio_seconds")}
+            return [{"type": "conversation.item.input_audio_transcription.completed",
+                     "item_id": _speech_item(out), "content_index": 0, "transcript": out.text,
+                     "usage": usage}]  # fmt: skip
         if kind is OutputKind.DONE:
             return self._done(out)
         return self._delta(out)
@@ -250,9 +248,13 @@ def _speech_item(out: OutputEvent) -> str:
     return f"item_turn_{out.stage}_{out.fence.incarnation}_{out.seq}"
 
 
-def _ms(out: OutputEvent, name: str) -> int:
+def _number(out: OutputEvent, name: str) -> float:
     value = out.meta.get(name, 0)
-    return int(value) if isinstance(value, int | float) else 0
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
+def _ms(out: OutputEvent, name: str) -> int:
+    return int(_number(out, name))
 
 
 def _fence_fields(fence: Fence) -> dict[str, int]:

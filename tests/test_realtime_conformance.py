@@ -152,10 +152,13 @@ def test_speech_events_carry_their_times_and_one_item_id_per_utterance():
         _out(3, OutputKind.DONE, stage=vad, meta={"reason": "silence", "turn_end": True,
                                                    "segment": 1}),
         _out(4, OutputKind.DONE, stage=vad, meta={"reason": "commit", "turn_end": True}),
+        _out(5, OutputKind.TRANSCRIPT, stage="asr", text="hello",
+             meta={"segment": 1, "audio_seconds": 1.52}),
     ]  # fmt: skip
-    started, stopped, committed, by_commit = _validated(_translate(utterance))
+    started, stopped, committed, by_commit, heard = _validated(_translate(utterance))
     assert started["audio_start_ms"] == 320 and stopped["audio_end_ms"] == 1840
-    assert started["item_id"] == stopped["item_id"] == committed["item_id"]
+    assert started["item_id"] == stopped["item_id"] == committed["item_id"] == heard["item_id"]
+    assert heard["transcript"] == "hello" and heard["usage"]["seconds"] == 1.52
     assert committed["type"] == by_commit["type"] == "input_audio_buffer.committed"
     assert by_commit["item_id"] != committed["item_id"]
 

@@ -158,6 +158,9 @@ class Pending:
     job: asyncio.Task[str]
     then_done: bool
     """A ``done`` (turn end) follows the transcript."""
+    meta: dict[str, int | float] = field(default_factory=dict)
+    """What the transcript's output says of its audio: the voice activity stage's
+    utterance number (``segment``) when it has one, and ``audio_seconds``."""
 
 
 @dataclass
@@ -263,8 +266,12 @@ class AsrBackend:
             session.buffer.append(audio)
             ends = ends or session.buffered_seconds() >= self.options.max_buffer_s
         if ends or (turn_end and session.buffer):
+            meta: dict[str, int | float] = {"audio_seconds": round(session.buffered_seconds(), 3)}
+            segment = event.meta.get("segment") if isinstance(event, OutputEvent) else None
+            if isinstance(segment, int):
+                meta["segment"] = segment
             session.pending = Pending(
-                asyncio.create_task(self.transcribe(session.take_audio())), turn_end
+                asyncio.create_task(self.transcribe(session.take_audio())), turn_end, meta
             )
             for draft in await self._settle(session):
                 yield draft
@@ -318,7 +325,9 @@ class AsrBackend:
         drafts: list[OutputDraft] = []
         if text:
             session.heard = True
-            drafts.append(OutputDraft(OutputKind.TRANSCRIPT, text=text, flush=True))
+            drafts.append(
+                OutputDraft(OutputKind.TRANSCRIPT, text=text, meta=dict(pending.meta), flush=True)
+            )
         if pending.then_done:
             drafts += self._turn_end(session)
         return drafts
