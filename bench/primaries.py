@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchRedis, PrivateRedis, ratio
-from bench.load import saturate
 from bench.mdformat import f, failed, table, x
-from bench.rig import echo_rig
+from bench.throughput import saturated
 
 NODES = 6
 CLUSTER_OPTIONS = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
@@ -106,15 +105,7 @@ def private_cluster() -> Iterator[PrivateCluster]:
 
 async def _point(server: BenchRedis, name: str, primaries: int, plan: Any, log_dir: Path,
                  batched: float) -> dict[str, Any]:  # fmt: skip
-    async with echo_rig(server, log_dir, name=name, workers=1,
-                        sessions=plan.throughput_sessions) as rig:  # fmt: skip
-        meter = rig.cpu_meter().start()
-        point = await saturate(
-            rig.coordinator, rig.collector, rig.session_ids, seconds=plan.throughput_seconds,
-            warmup=plan.warmup_seconds, window=plan.throughput_window,
-        )  # fmt: skip
-        point["cpu_percent"] = meter.read()
-        point["cpu_us_per_event"] = meter.per_event_us(point["sent"])
+    point = await saturated(server, log_dir, name, 1, plan)
     point["primaries"] = primaries
     point["ratio_to_raw_batched"] = ratio(point["events_per_s"], batched)
     print(f"  {primaries} primar{'y' if primaries == 1 else 'ies'}: "

@@ -17,9 +17,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import PrivateRedis, ratio
+from bench.common import BenchRedis, PrivateRedis, ratio
 from bench.load import saturate
 from bench.rig import echo_rig
+
+
+async def saturated(
+    server: BenchRedis, log_dir: Path, name: str, workers: int, plan: Any
+) -> dict[str, Any]:
+    """One saturation point: ``workers`` echo workers driven as fast as they answer,
+    with each process's CPU share and CPU per event."""
+    async with echo_rig(server, log_dir, name=name, workers=workers,
+                        sessions=plan.throughput_sessions) as rig:  # fmt: skip
+        meter = rig.cpu_meter().start()
+        point = await saturate(
+            rig.coordinator, rig.collector, rig.session_ids, seconds=plan.throughput_seconds,
+            warmup=plan.warmup_seconds, window=plan.throughput_window,
+        )  # fmt: skip
+        point["cpu_percent"] = meter.read()
+        point["cpu_us_per_event"] = meter.per_event_us(point["sent"])
+    return point
 
 
 async def run(
@@ -29,15 +46,7 @@ async def run(
     batched = raw["batched"]["events_per_s"]
     points = []
     for workers in plan.throughput_workers:
-        async with echo_rig(server, log_dir, name=f"tp{workers}", workers=workers,
-                            sessions=plan.throughput_sessions) as rig:  # fmt: skip
-            meter = rig.cpu_meter().start()
-            point = await saturate(
-                rig.coordinator, rig.collector, rig.session_ids, seconds=plan.throughput_seconds,
-                warmup=plan.warmup_seconds, window=plan.throughput_window,
-            )  # fmt: skip
-            point["cpu_percent"] = meter.read()
-            point["cpu_us_per_event"] = meter.per_event_us(point["sent"])
+        point = await saturated(server, log_dir, f"tp{workers}", workers, plan)
         point.update({
             "workers": workers,
             "sessions": plan.throughput_sessions,
