@@ -35,6 +35,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
+COPY dataplane ./dataplane
 COPY coordinator ./coordinator
 COPY workers ./workers
 

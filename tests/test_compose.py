@@ -277,6 +277,10 @@ def test_dockerfile_copies_only_what_the_build_context_has() -> None:
     ignored = dockerignore_patterns()
     sources = copied_sources()
     assert {"pyproject.toml", "README.md", "configs"} <= set(sources)
+    # Every package the project installs is in the image (the workers import dataplane).
+    packaging = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = packaging["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {name.rstrip("*") for name in packages} <= set(sources)
     for source in sources:
         assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
         top = Path(source).parts[0]
