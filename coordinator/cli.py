@@ -102,6 +102,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             forwarded += [f"--{flag.replace('_', '-')}", str(value)]
     if args.burst:
         forwarded.append("--burst")
+    if args.metrics_port is not None:
+        forwarded += ["--metrics-port", str(args.metrics_port)]
     # The worker is its own program (``python -m workers``): this process becomes it,
     # so the coordinator package never imports the workers' one.
     os.execv(sys.executable, [sys.executable, "-m", "workers", *forwarded])
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--stage", required=True)
     worker.add_argument("--worker-id")
     worker.add_argument("--burst", action="store_true")
+    worker.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     worker.set_defaults(func=cmd_worker)
 
     control.add_commands(commands)

@@ -70,3 +70,37 @@ def test_parser_knows_its_commands():
     parser = build_parser()
     assert parser.parse_args(["worker", "--stage", "a"]).stage == "a"
     assert parser.parse_args(["up", "--demo-only"]).demo_only
+
+
+def test_a_worker_started_by_the_cli_serves_its_metrics(redis_server, key_prefix, tmp_path):
+    import os
+    import time
+    import urllib.request
+
+    from schemas.config import echo_pipeline
+    from tests.processes import write_pipeline
+
+    settings = fast_settings(redis_server.url, key_prefix)
+    port = free_port()
+    pipeline = write_pipeline(tmp_path, echo_pipeline("echo"))
+    args = [sys.executable, "-m", "coordinator.cli", "worker", "--stage", "echo",
+            "--pipeline", str(pipeline), "--metrics-port", str(port)]  # fmt: skip
+    env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "worker.log"
+    with log.open("wb") as sink:
+        worker = subprocess.Popen(args, cwd=ROOT, env=env, stdout=sink, stderr=sink)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    body = r.read().decode()
+                break
+            except OSError:
+                assert worker.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "no /metrics within 30 s"
+                time.sleep(0.2)
+        assert "duplexq_" in body
+    finally:
+        worker.terminate()
+        worker.wait(20)
