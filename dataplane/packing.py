@@ -25,13 +25,8 @@ def pack(args: tuple[Any, ...]) -> bytes:
         args = (*first.encode().split(), *args[1:])
     elif b" " in first:
         args = (*first.split(), *args[1:])
-    for arg in args:
-        if isinstance(arg, bool):  # redis-py refuses these; so do we
-            raise DataError(
-                "Invalid input of type: 'bool'. Convert to a bytes, string, int or float first."
-            )
-    try:
-        return bytes(hiredis.pack_command(args))
+    try:  # hiredis refuses what redis-py refuses (bool, None, containers)
+        return hiredis.pack_command(args)  # type: ignore[no-any-return]
     except TypeError as exc:
         raise DataError(str(exc)) from exc
 
