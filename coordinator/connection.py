@@ -39,6 +39,7 @@ from coordinator.realtime import (
     audio_payload,
     error_event,
     image_payload,
+    invalid_event,
     parse_client_event,
     response_id,
 )
@@ -419,11 +420,7 @@ class Connection:
             try:
                 self.config = merged(self.config, event.session)
             except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(part) for part in first["loc"]) or "session"
-                raise ProtocolError(
-                    ErrorCode.INVALID_EVENT, f"session.update: {where}: {first['msg']}"
-                ) from exc
+                raise invalid_event(event.type, exc, skip=0, whole="session") from exc
             sk = self.coordinator.bus.keys.session(sid)
             await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
             await self._notice("session.updated", session=session_object(sid, self.config))

@@ -70,11 +70,16 @@ def parse_client_event(raw: str | bytes, max_bytes: int) -> ClientEvent:
     try:
         return client_event_adapter.validate_python(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"][1:])
-        raise ProtocolError(
-            ErrorCode.INVALID_EVENT, f"{kind}: {where or 'event'}: {first['msg']}"
-        ) from exc
+        # The first location part is the event's tag (its type): not a field to name.
+        raise invalid_event(kind, exc, skip=1, whole="event") from exc
+
+
+def invalid_event(kind: str, exc: ValidationError, *, skip: int, whole: str) -> ProtocolError:
+    """``invalid_event`` naming the first field pydantic refused (its location after
+    ``skip`` parts; ``whole`` when that leaves none) and why."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"][skip:])
+    return ProtocolError(ErrorCode.INVALID_EVENT, f"{kind}: {where or whole}: {first['msg']}")
 
 
 def _b64(data: str) -> bytes:
