@@ -14,9 +14,7 @@ Redis core on a bigger machine, and survival of a node's loss.
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,25 +25,11 @@ from typing import Any
 from bench.common import BenchRedis, PrivateRedis, ratio
 from bench.mdformat import f, failed, table, x
 from bench.throughput import saturated
+from chaos.cluster import cluster_port
 
 NODES = 6
 CLUSTER_OPTIONS = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                    "--cluster-node-timeout", "2000"]  # fmt: skip
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(200):
-        port = random.randint(20_000, 45_000)
-        with contextlib.ExitStack() as stack:
-            try:
-                for candidate in (port, port + 10_000):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 class PrivateCluster:
@@ -55,7 +39,7 @@ class PrivateCluster:
         self.nodes = [PrivateRedis(workdir / f"node{i}", extra=CLUSTER_OPTIONS)
                       for i in range(NODES)]  # fmt: skip
         for node in self.nodes:
-            node.port = _cluster_port()
+            node.port = cluster_port()
 
     @property
     def url(self) -> str:

@@ -8,34 +8,18 @@ can be killed with SIGKILL; its replica is promoted by the cluster itself.
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from chaos.cluster import cluster_port
 from tests.redis_server import RedisServer
 
 NODE_TIMEOUT_MS = 1000
 """How long the cluster waits before it promotes a dead primary's replica."""
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(200):
-        port = random.randint(20_000, 45_000)
-        with contextlib.ExitStack() as stack:
-            try:
-                for candidate in (port, port + 10_000):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisCluster:
