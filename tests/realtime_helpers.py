@@ -12,7 +12,7 @@ import uvicorn
 import websockets
 
 from coordinator.app import create_app
-from schemas.config import PipelineConfig, Settings
+from schemas.config import PipelineConfig, Settings, echo_pipeline
 from tests.redis_server import free_port
 
 
@@ -88,3 +88,13 @@ def text_turn(text: str) -> list[dict[str, Any]]:
         },
         {"type": "response.create"},
     ]  # fmt: skip
+
+
+def streaming_echo(chunks: int = 40, step_ms: int = 20) -> PipelineConfig:
+    """The echo pipeline answering in ``chunks`` deltas ``step_ms`` apart: a response that
+    streams long enough to be cancelled, dropped or resumed in the middle."""
+    pipeline = echo_pipeline("echo")
+    stage = pipeline.stages[0].model_copy(
+        update={"options": {"chunks": chunks, "step_ms": step_ms}}
+    )
+    return pipeline.model_copy(update={"stages": (stage,)})

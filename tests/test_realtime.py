@@ -15,7 +15,7 @@ from PIL import Image
 from schemas.config import echo_pipeline
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import ROOT, write_pipeline
-from tests.realtime_helpers import Client, serving, text_turn, until_completed
+from tests.realtime_helpers import Client, serving, streaming_echo, text_turn, until_completed
 from tests.redis_server import free_port
 
 
@@ -129,17 +129,9 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
     assert all(ids) and len(set(ids)) == len(ids)
 
 
-def _streaming(chunks=40, step_ms=20):
-    pipeline = echo_pipeline("echo")
-    stage = pipeline.stages[0].model_copy(
-        update={"options": {"chunks": chunks, "step_ms": step_ms}}
-    )
-    return pipeline.model_copy(update={"stages": (stage,)})
-
-
 @pytest.mark.parametrize("how", ["response.cancel", "barge_in"])
 async def test_cancel_leaves_no_stale_delta_after_the_acknowledgement(settings, how):
-    pipeline = _streaming()
+    pipeline = streaming_echo()
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo"),
@@ -195,7 +187,7 @@ async def test_session_limit_is_a_retryable_error(settings):
 
 
 async def test_resume_on_another_coordinator_process(settings, tmp_path):
-    pipeline = _streaming(chunks=20, step_ms=10)
+    pipeline = streaming_echo(chunks=20, step_ms=10)
     port = free_port()
     env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "coordinator.cli", "coordinator",

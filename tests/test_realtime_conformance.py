@@ -25,7 +25,7 @@ from schemas.config import echo_pipeline
 from schemas.events import ControlEvent, ControlKind, OutputEvent, OutputKind, TextPayload
 from schemas.fence import Fence
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.realtime_helpers import Client, serving
+from tests.realtime_helpers import Client, serving, streaming_echo
 from workers.backends.base import BackendError, OutputDraft
 from workers.backends.echo import EchoBackend
 
@@ -172,9 +172,6 @@ def test_every_server_event_has_a_unique_event_id():
 
 # -- through the official SDK, end to end -------------------------------------------------
 
-SDK_NOT_YET: frozenset[str] = frozenset()
-"""Standard events whose duplexq shape does not conform yet."""
-
 
 @pytest.fixture
 def sdk_settings(redis_server, key_prefix):
@@ -199,9 +196,8 @@ async def test_a_text_turn_through_the_official_sdk_validates_event_by_event(sdk
                 while not events or events[-1]["type"] != "response.done":
                     events.append(json.loads(await connection.recv_bytes()))
         await client.close()
-    checked = [e for e in events if e["type"] not in SDK_NOT_YET]
-    _validated(checked)
-    assert "conversation.item.created" in {e["type"] for e in checked}
+    _validated(events)  # session.created included
+    assert {"session.created", "conversation.item.created"} <= {e["type"] for e in events}
     response = [e["type"] for e in events if e["type"].startswith("response.")]
     opening = ["response.created", "response.output_item.added", "response.content_part.added"]
     closing = ["response.output_text.done", "response.content_part.done",
@@ -262,7 +258,7 @@ async def test_a_backend_failure_through_the_sdk_ends_in_a_failed_response_done(
             failed = await turn("boom")
             after = await turn("still here")
         await client.close()
-    _validated([e for e in events if e["type"] not in SDK_NOT_YET])
+    _validated(events)
     assert failed["status"] == "failed"
     assert failed["status_details"]["error"]["message"] == "the model fell over"
     assert after["status"] == "completed"
@@ -320,7 +316,7 @@ async def test_session_updates_merge_in_the_ga_shape_and_survive_a_resume(sdk_se
 
 
 async def test_cancelling_nothing_is_an_error_and_clearing_audio_cancels(sdk_settings):
-    pipeline = _streaming_echo()
+    pipeline = streaming_echo(chunks=64, step_ms=50)  # about 3 s of streaming
     async with (
         serving(sdk_settings, pipeline) as base,
         running_worker(sdk_settings, pipeline, "echo"),
@@ -348,13 +344,6 @@ async def test_cancelling_nothing_is_an_error_and_clearing_audio_cancels(sdk_set
     assert refused["error"]["event_id"] == "evt_c1"
     assert [d["response"]["status"] for d in done] == ["cancelled"]
     assert done[0]["response"]["status_details"]["reason"] == "client_cancelled"
-    _validated([e for e in client.seen if e["type"] not in SDK_NOT_YET])
+    _validated(client.seen)
     assert cut[-1]["response_id"] == done[0]["response"]["id"]
     assert again["error"]["code"] == "response_cancel_not_active"
-
-
-def _streaming_echo() -> Any:
-    """The echo stage answering in 64 chunks 50 ms apart: about 3 s of streaming."""
-    pipeline = echo_pipeline("echo")
-    stage = pipeline.stages[0].model_copy(update={"options": {"chunks": 64, "step_ms": 50}})
-    return pipeline.model_copy(update={"stages": (stage,)})
