@@ -19,7 +19,8 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from coordinator.connection import Connection, Hub
+from coordinator.connection import Connection
+from coordinator.hub import Hub
 from dataplane.metrics import REGISTRY
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError

@@ -1,7 +1,5 @@
-"""One client connection on ``/v1/realtime``, and the hub that feeds them.
+"""One client connection on ``/v1/realtime`` (``coordinator.hub`` feeds them).
 
-The hub owns this process's ``Coordinator`` and one journal reader loop that
-routes every delivery to the queue of the connection serving its session.
 A connection authenticates, opens (or resumes) a session, then runs two
 tasks: ``receive`` (client events -> session log, in order) and ``pump``
 (journal -> server events). A bad event gets an ``error`` with a stable code
@@ -22,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import secrets
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from coordinator.attachments import Attachments, key_digest
+from coordinator.attachments import key_digest
 from coordinator.output_reader import Delivery
 from coordinator.realtime import (
     ServerEventTranslator,
@@ -44,16 +41,13 @@ from coordinator.realtime import (
     response_id,
 )
 from coordinator.resume import replay_journal
-from coordinator.service import Coordinator
-from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT, SESSIONS
-from schemas.config import PipelineConfig, Settings
+from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
     AuthError,
     DuplexqError,
     ErrorCode,
     InputBackpressureError,
     ProtocolError,
-    ResourceExhaustedError,
     SessionClosedError,
 )
 from schemas.events import (
@@ -84,6 +78,9 @@ from schemas.realtime import (
 )
 from schemas.session_shape import merged, session_object
 
+if TYPE_CHECKING:
+    from coordinator.hub import Hub
+
 log = logging.getLogger("duplexq.coordinator")
 
 _RESPONSE_KINDS = frozenset(
@@ -107,145 +104,6 @@ class Socket(Protocol):
 
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def terminal_stages(pipeline: PipelineConfig) -> tuple[str, ...]:
-    """Client-facing stages with no client-facing stage downstream (chain ends): their
-    ``done`` ends a response."""
-
-    def feeds_client(name: str) -> bool:
-        return any(
-            pipeline.stage(down).to_client or feeds_client(down)
-            for down in pipeline.downstream(name)
-        )
-
-    return tuple(s.name for s in pipeline.stages if s.to_client and not feeds_client(s.name))
-
-
-class Hub:
-    """This process's coordinator, journal reader loop and connection registry."""
-
-    def __init__(self, settings: Settings, pipeline: PipelineConfig) -> None:
-        self.settings = settings
-        self.pipeline = pipeline
-        self.coordinator = Coordinator(settings, pipeline)
-        self.attachments = Attachments(self.coordinator.bus, settings.attach_ttl_ms)
-        self.terminal = terminal_stages(pipeline)
-        self.connections: dict[str, Connection] = {}
-        self.graces: dict[str, asyncio.Task[None]] = {}
-        self._stopping = asyncio.Event()
-
-    def check_key(self, presented: str | None) -> None:
-        if self.settings.allow_anonymous and not presented:
-            return
-        # Compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters,
-        # and a malformed key must be refused like any wrong one, not crash the handshake.
-        given = (presented or "").encode("utf-8", "surrogateescape")
-        keys = self.settings.api_keys
-        if given and any(hmac.compare_digest(given, key.encode()) for key in keys):
-            return
-        raise AuthError("a valid API key is required")
-
-    def reserve(self) -> None:
-        if len(self.connections) >= self.settings.max_sessions:
-            raise ResourceExhaustedError(
-                f"this coordinator serves {self.settings.max_sessions} sessions; retry later"
-            )
-
-    async def run(self) -> None:
-        """Route journal deliveries to connections and hold their attachments until
-        ``stop``."""
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._route(), name="journal reader")
-            group.create_task(self._hold(), name="attachments")
-
-    async def _route(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                deliveries = await self.coordinator.outputs()
-            except Exception:
-                log.exception("journal reader failed; retrying")
-                await asyncio.sleep(0.2)
-                continue
-            for delivery in deliveries:
-                connection = self.connections.get(delivery.session_id)
-                if connection is not None:
-                    connection.queue.put_nowait(delivery)
-
-    async def _hold(self) -> None:
-        """Renew the attachments of this process's connections; close the ones whose
-        session another connection took over."""
-        period = self.settings.attach_ttl_ms / 3000
-        while not self._stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), period)
-            held = {sid: conn.attachment for sid, conn in self.connections.items()}
-            try:
-                statuses = await self.attachments.hold(held, _now_ms())
-            except Exception:
-                log.exception("renewing attachments failed; retrying")
-                continue
-            for sid, status in statuses.items():
-                connection = self.connections.get(sid)
-                if status == "replaced" and connection is not None:
-                    await connection.evict("session resumed on another connection")
-
-    async def stop(self) -> None:
-        self._stopping.set()
-        for task in self.graces.values():
-            task.cancel()
-        for task in list(self.graces.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.coordinator.aclose()
-
-    async def register(self, connection: Connection) -> None:
-        """``connection`` now serves its session; one it replaces here is closed."""
-        sid = connection.session_id
-        grace = self.graces.pop(sid, None)
-        if grace is not None:
-            grace.cancel()
-        previous = self.connections.get(sid)
-        self.connections[sid] = connection
-        SESSIONS.set(len(self.connections))
-        if previous is not None and previous is not connection:
-            await previous.evict("session resumed on another connection")
-
-    async def detach(self, connection: Connection) -> None:
-        """``connection`` went away: if it still served its session, the session is kept
-        for the grace period."""
-        sid = connection.session_id
-        if not sid or self.connections.get(sid) is not connection:
-            return  # never served, or replaced by a newer connection
-        del self.connections[sid]
-        SESSIONS.set(len(self.connections))
-        self.coordinator.reader.detach(sid)
-        try:
-            if not await self.attachments.detach(sid, connection.attachment, _now_ms()):
-                return  # another coordinator's connection holds it now
-        except Exception:
-            # Redis unreachable: the attachment lapses on its own and the grace
-            # period runs from there.
-            log.warning("could not record the detach of session %s", sid, exc_info=True)
-        if not self._stopping.is_set():
-            self.graces[sid] = asyncio.create_task(self._expire(sid))
-
-    async def _expire(self, session_id: str) -> None:
-        grace_ms = self.settings.resume_grace_s * 1000
-        try:
-            await asyncio.sleep(grace_ms / 1000)
-            closed = await self.coordinator.authority.close_detached(
-                session_id,
-                idle_before_ms=_now_ms() - grace_ms + 1,
-                reason="detached",
-                ttl_s=self.settings.closed_ttl_s,
-            )
-            if closed is not None:
-                log.info("session %s closed after the resume grace period", session_id)
-        except DuplexqError:
-            pass  # closed meanwhile
-        finally:
-            self.graces.pop(session_id, None)
 
 
 def _now_ms() -> int:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.connection import terminal_stages
+from coordinator.hub import terminal_stages
 from coordinator.service import Coordinator
 from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
 from schemas.events import OutputEvent, OutputKind, TextPayload
