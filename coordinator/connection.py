@@ -76,7 +76,7 @@ from schemas.realtime import (
     SessionUpdate,
     VideoAppend,
 )
-from schemas.session_shape import merged, session_object
+from schemas.session_shape import merged, session_object, stage_settings
 
 if TYPE_CHECKING:
     from coordinator.hub import Hub
@@ -275,13 +275,7 @@ class Connection:
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
         if isinstance(event, SessionUpdate):
-            try:
-                self.config = merged(self.config, event.session)
-            except ValidationError as exc:
-                raise invalid_event(event.type, exc, skip=0, whole="session") from exc
-            sk = self.coordinator.bus.keys.session(sid)
-            await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
-            await self._notice("session.updated", session=session_object(sid, self.config))
+            await self._configure(event)
         elif isinstance(event, AudioAppend):
             await self._append(
                 InputMode.APPEND_AUDIO_CHUNK, audio_payload(event.audio, self.config)
@@ -321,6 +315,22 @@ class Connection:
             )
         elif isinstance(event, SessionResume):
             raise ProtocolError(ErrorCode.INVALID_EVENT, "session.resume must be the first event")
+
+    async def _configure(self, event: SessionUpdate) -> None:
+        """Store the merged configuration (resume and new stage owners start from it),
+        then pass what stages act on down the session log, in order with the inputs."""
+        previous = self.config
+        try:
+            self.config = merged(previous, event.session)
+        except ValidationError as exc:
+            raise invalid_event(event.type, exc, skip=0, whole="session") from exc
+        sid = self.session_id
+        sk = self.coordinator.bus.keys.session(sid)
+        await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
+        settings = stage_settings(self.config)
+        if settings != stage_settings(previous):
+            await self.coordinator.append(sid, InputMode.UPDATE_SESSION, settings)
+        await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:
         """Whether a response is streaming, or reserved (a commit, the server VAD's turn

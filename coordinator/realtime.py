@@ -24,6 +24,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
 
+from coordinator import g711
 from coordinator.frames import ResponseFrame, created
 from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
@@ -90,8 +91,12 @@ def _b64(data: str) -> bytes:
 
 
 def audio_payload(data: str, config: SessionConfig) -> AudioPayload:
-    """Decode base64 audio in the session's input format."""
+    """Decode base64 audio in the session's input format (G.711 expanded to PCM16)."""
     raw = _b64(data)
+    if config.input_audio_format in g711.FORMATS:
+        if not raw:
+            raise ProtocolError(ErrorCode.INVALID_AUDIO, "audio is empty")
+        return AudioPayload(g711.to_pcm16(raw, config.input_audio_format), "pcm_s16le", g711.RATE)
     fmt, width = _AUDIO_FORMATS[config.input_audio_format]
     if not raw or len(raw) % width:
         raise ProtocolError(
@@ -196,6 +201,8 @@ class ServerEventTranslator:
 
     def _output(self, out: OutputEvent) -> list[ServerEvent]:
         kind = out.kind
+        if kind is OutputKind.SETTINGS:
+            return []  # passed down the chain for the stages, not for the client
         if kind is OutputKind.NOTICE:
             notice: ServerEvent = json.loads(out.text)
             return [notice]

@@ -225,8 +225,11 @@ return remember(KEYS[1], {'ok', inc, ep, tu, rs})
 # KEYS: meta in ctl out prog client_bell (stage_out lease bell)*  -- the stage's own
 # triple comes first: KEYS[7], KEYS[8], KEYS[9]
 # ARGV: sid stage worker token ttl_ms now_ms
+# Reply: {'ok', inc, epoch, turn, resp, failover, applied, read_id, oseq, config} (config:
+# the session's settings as the coordinator stored them, '' for none), {'held', holder}
+# or {'closed'}.
 ACQUIRE = r"""
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'config')
 if m[1] ~= 'open' then return {'closed'} end
 local holder = redis.call('GET', KEYS[8])
 local stage = ARGV[2]
@@ -235,7 +238,7 @@ if holder and holds(holder, ARGV[4]) then
   local inc = tonumber(string.match(holder, '(%d+)$'))
   local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
   return {'ok', inc, tonumber(m[3]), tonumber(m[4]), tonumber(m[5]), 0, tonumber(p[1] or '0'),
-    p[2] or '0-0', tonumber(p[3] or '0')}
+    p[2] or '0-0', tonumber(p[3] or '0'), m[6] or ''}
 end
 if holder then return {'held', holder} end
 local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
@@ -254,7 +257,7 @@ redis.call('SET', KEYS[8], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5
 redis.call('HINCRBY', KEYS[5], stage .. ':owners', 1)
 local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
 return {'ok', inc, ep, tu, rs, failover, tonumber(p[1] or '0'), p[2] or '0-0',
-  tonumber(p[3] or '0')}
+  tonumber(p[3] or '0'), m[6] or ''}
 """
 
 # KEYS: lease     ARGV: token ttl_ms

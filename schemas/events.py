@@ -45,6 +45,9 @@ class InputMode(StrEnum):
     """Drops audio buffered since the last commit (input_audio_buffer.clear)."""
     PLAYBACK_ACK = "playback_ack"
     """How far the client actually played a response; history is truncated there."""
+    UPDATE_SESSION = "update_session"
+    """The client changed the session's settings (``session.update``): they apply from
+    here on, in log order with the inputs around them."""
 
 
 class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
@@ -92,6 +95,28 @@ class PlaybackPayload(msgspec.Struct, frozen=True, tag="playback"):
     played_ms: NonNegative = 0
 
 
+class SettingsPayload(msgspec.Struct, frozen=True, tag="settings"):
+    """The session settings stages act on, as a client's ``session.update`` left them.
+
+    Stages take them in log order (the worker runtime keeps the current ones in
+    ``StageContext.session`` and passes them down the chain); a field left at its
+    default means "the stage's own option". ``schemas.session_shape.stage_settings``
+    derives them from the client's session configuration."""
+
+    instructions: str = ""
+    """The system prompt a model stage uses instead of its configured one."""
+    audio_output: bool = True
+    """False: text-only output (``output_modalities: ["text"]``), nothing is spoken."""
+    voice: str = ""
+    server_vad: bool = True
+    """False (``turn_detection: null``): only the client's commits end a turn."""
+    vad_threshold: float | None = None
+    vad_silence_ms: int | None = None
+    vad_prefix_padding_ms: int | None = None
+    interrupt_response: bool = True
+    """Speech starting over a response barges in on it."""
+
+
 Payload: TypeAlias = (
     TokensPayload
     | TextPayload
@@ -101,6 +126,7 @@ Payload: TypeAlias = (
     | CommitPayload
     | ClearPayload
     | PlaybackPayload
+    | SettingsPayload
 )
 
 PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
@@ -112,6 +138,7 @@ PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
     InputMode.TURN_COMMIT_ONLY: CommitPayload,
     InputMode.CLEAR_AUDIO: ClearPayload,
     InputMode.PLAYBACK_ACK: PlaybackPayload,
+    InputMode.UPDATE_SESSION: SettingsPayload,
 }
 
 
@@ -148,6 +175,9 @@ class OutputKind(StrEnum):
     NOTICE = "notice"
     """A coordinator's own server event (``text`` names its type, ``meta`` its fields),
     journaled like outputs so a resumed client misses none."""
+    SETTINGS = "settings"
+    """The session's settings passed down the chain (``data``: an encoded
+    ``SettingsPayload``): not for the client, not bound to a response."""
 
 
 class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):
@@ -224,3 +254,31 @@ def decode_output(raw: bytes) -> OutputEvent:
 
 def decode_control(raw: bytes) -> ControlEvent:
     return _decode(_control_decoder, raw)
+
+
+_settings_decoder = msgspec.msgpack.Decoder(SettingsPayload)
+
+
+def encode_settings(settings: SettingsPayload) -> bytes:
+    return _encoder.encode(settings)
+
+
+def is_settings(event: InputEvent | OutputEvent) -> bool:
+    """Whether ``event`` carries session settings (an input or a stage passing them on)."""
+    if isinstance(event, InputEvent):
+        return event.mode is InputMode.UPDATE_SESSION
+    return event.kind is OutputKind.SETTINGS
+
+
+def settings_of(event: InputEvent | OutputEvent) -> SettingsPayload | None:
+    """The settings a session-settings event carries (None for any other event, and for
+    a settings output whose data does not decode)."""
+    if isinstance(event, InputEvent):
+        payload = event.payload
+        return payload if isinstance(payload, SettingsPayload) else None
+    if event.kind is not OutputKind.SETTINGS:
+        return None
+    try:
+        return _settings_decoder.decode(event.data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

@@ -43,12 +43,16 @@ class _Event(BaseModel):
 
 
 class TurnDetection(BaseModel):
-    """Server VAD settings; ``None`` in the session turns server VAD off."""
+    """Server VAD settings; ``None`` in the session turns server VAD off. A field left
+    out keeps the VAD stage's own option (``workers.backends.vad.VadOptions``)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     type: Literal["server_vad"] = "server_vad"
-    silence_duration_ms: int = Field(500, ge=100, le=5000)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    """Speech probability that counts as speech (the VAD uses 0.2..0.95 of it)."""
+    prefix_padding_ms: int | None = Field(None, ge=0, le=2000)
+    silence_duration_ms: int | None = Field(None, ge=100, le=5000)
     interrupt_response: bool = True
 
 
@@ -59,10 +63,14 @@ class SessionConfig(BaseModel):
 
     instructions: str | None = Field(None, max_length=_MAX_TEXT)
     modalities: tuple[Literal["text", "audio"], ...] | None = None
-    input_audio_format: Literal["pcm16", "pcm_f32le"] = "pcm16"
+    input_audio_format: Literal["pcm16", "g711_ulaw", "g711_alaw", "pcm_f32le"] = "pcm16"
+    """The reference API's formats (G.711 is 8 kHz whatever the rate says) and
+    duplexq's own 32-bit float PCM."""
     input_audio_sample_rate: int = Field(24_000, ge=8_000, le=48_000)
     output_audio_format: Literal["pcm16"] = "pcm16"
-    voice: str | None = Field(None, max_length=64)
+    voice: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_+-]{0,39}$")
+    """A reference voice name (``alloy``, ``marin``, ...) or a voice of the TTS stage
+    (espeak-ng's ``en-us``, ``en+f3``, ...): ``workers.backends.tts.VOICES``."""
     turn_detection: TurnDetection | None = TurnDetection()
 
 

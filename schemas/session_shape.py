@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas.events import SettingsPayload
 from schemas.realtime import SessionConfig
 
 MODEL = "duplexq"
-_PCM = {"audio/pcm": "pcm16"}
-"""GA input format types and the internal format each means."""
+_FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+"""GA input format types and the internal (beta) format each means."""
+_TYPES = {internal: ga for ga, internal in _FORMATS.items()}
 
 
 def _ga_fields(session: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +35,7 @@ def _ga_fields(session: dict[str, Any]) -> dict[str, Any]:
     if "format" in source:
         fmt = source["format"] or {}
         kind = fmt.get("type", "audio/pcm")
-        fields["input_audio_format"] = _PCM.get(kind, kind)
+        fields["input_audio_format"] = _FORMATS.get(kind, kind)
         if "rate" in fmt:
             fields["input_audio_sample_rate"] = fmt["rate"]
     if "turn_detection" in source:
@@ -60,10 +62,14 @@ def merged(current: SessionConfig, update: dict[str, Any]) -> SessionConfig:
 
 def session_object(session_id: str, config: SessionConfig) -> dict[str, Any]:
     """The GA session object of ``session.created`` / ``session.updated``."""
-    fmt: dict[str, Any] = {"type": "audio/pcm", "rate": config.input_audio_sample_rate}
-    if config.input_audio_format != "pcm16":  # duplexq's own format, beside the standard
-        fmt["type"] = f"audio/{config.input_audio_format}"
-    detection = config.turn_detection.model_dump() if config.turn_detection else None
+    fmt: dict[str, Any] = {"type": _TYPES.get(config.input_audio_format)}
+    if config.input_audio_format == "pcm16":
+        fmt["rate"] = config.input_audio_sample_rate
+    elif fmt["type"] is None:  # duplexq's own format, beside the standard ones
+        fmt = {"type": f"audio/{config.input_audio_format}", "rate": config.input_audio_sample_rate}
+    detection = (
+        config.turn_detection.model_dump(exclude_none=True) if config.turn_detection else None
+    )
     output: dict[str, Any] = {"format": {"type": "audio/pcm", "rate": 24_000}}
     if config.voice:
         output["voice"] = config.voice
@@ -76,3 +82,26 @@ def session_object(session_id: str, config: SessionConfig) -> dict[str, Any]:
         "instructions": config.instructions or "",
         "audio": {"input": {"format": fmt, "turn_detection": detection}, "output": output},
     }
+
+
+def stage_settings(config: SessionConfig) -> SettingsPayload:
+    """What the stages act on of a session's configuration (``SettingsPayload``)."""
+    detection = config.turn_detection
+    return SettingsPayload(
+        instructions=config.instructions or "",
+        audio_output=config.modalities is None or "audio" in config.modalities,
+        voice=config.voice or "",
+        server_vad=detection is not None,
+        vad_threshold=detection.threshold if detection else None,
+        vad_silence_ms=detection.silence_duration_ms if detection else None,
+        vad_prefix_padding_ms=detection.prefix_padding_ms if detection else None,
+        interrupt_response=detection.interrupt_response if detection else False,
+    )
+
+
+def settings_from_json(raw: str | bytes | None) -> SettingsPayload:
+    """The stage settings of a configuration stored as JSON (the session meta's
+    ``config``); the defaults when none is stored."""
+    if not raw:
+        return SettingsPayload()
+    return stage_settings(SessionConfig.model_validate_json(raw))

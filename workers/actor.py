@@ -60,6 +60,9 @@ from schemas.events import (
     OutputKind,
     decode_control,
     decode_event,
+    encode_settings,
+    is_settings,
+    settings_of,
 )
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
@@ -236,6 +239,10 @@ class SessionActor:
         EVENTS_IN.inc(stage=self.ctx.stage)
         if step is Step.SKIP:
             return
+        if is_settings(event):
+            await self._configure(event)
+            self._advance(entry.id, event.seq)
+            return
         if step is Step.DROP:
             await self.count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
         elif step is Step.ABSORB and not self.backend.continuous_input:
@@ -247,6 +254,22 @@ class SessionActor:
             if not self.active:
                 return  # stopped mid-event: it stays unapplied for the next owner
         self._advance(entry.id, event.seq)
+
+    async def _configure(self, event: StageEvent) -> None:
+        """The session's settings changed: the backend sees them from the next event on,
+        and the stages downstream get them in the same place of their input.
+
+        Settings belong to the session, not to a response: an interruption neither
+        absorbs nor drops them (a settings output is applied whatever its fence), and a
+        publish refused for its fence moves them to the current one (``_repair``)."""
+        settings = settings_of(event)
+        if settings is None:
+            await self.count_drop("undecodable")
+            return
+        self.ctx.session = settings
+        if self.ownership.feeds_stages:
+            draft = OutputDraft(OutputKind.SETTINGS, data=encode_settings(settings))
+            self._stage(draft, self.ctx.fence, event.seq)
 
     def _decode(self, entry: Entry) -> StageEvent | ControlEvent | None:
         try:
@@ -424,9 +447,14 @@ class SessionActor:
             repaired[index] = (restamp, [msgspec.structs.replace(e, fence=restamp) for e in events])
             return repaired
         # Released meanwhile (cancel, superseded response): the outputs are dropped and
-        # work still producing for that fence is stopped.
+        # work still producing for that fence is stopped. Settings passed on are not
+        # the response's: they go out under the current fence.
         del repaired[index]
-        await self.count_drop(result.reason or str(result.status), len(events))
+        kept = [e for e in events if e.kind is OutputKind.SETTINGS]
+        if kept and current is not None:
+            repaired.insert(index, (current, [msgspec.structs.replace(e, fence=current)
+                                              for e in kept]))  # fmt: skip
+        await self.count_drop(result.reason or str(result.status), len(events) - len(kept))
         if self._producer_fence == fence:
             # Released once: a cancel not yet read from the control stream is acted on
             # here, so when its control arrives there is nothing left to release.

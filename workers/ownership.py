@@ -35,6 +35,9 @@ class Lease(NamedTuple):
     applied_seq: int
     read_id: str
     out_seq: int
+    config: str = ""
+    """The session's settings as its last ``session.update`` left them (JSON), when the
+    lease was granted: a new owner's starting point (``schemas.session_shape``)."""
 
 
 class AcquireStatus(StrEnum):
@@ -90,6 +93,8 @@ class StageOwnership:
         self._authority = SessionAuthority(bus, pipeline)
         self._stage_index = pipeline.stage_names.index(stage)
         self._consumers = list(pipeline.downstream(stage))
+        self.feeds_stages = bool(self._consumers)
+        """Other stages read what this stage publishes (settings are passed on to them)."""
         """Who reads what this stage publishes: a publish rings their bells."""
         if self.to_client:
             self._consumers.append(CLIENT)
@@ -120,6 +125,7 @@ class StageOwnership:
             applied_seq=int(reply[6]),
             read_id=str(reply[7]),
             out_seq=int(reply[8]),
+            config=_text(reply[9]) if len(reply) > 9 else "",
         )
         await self.bus.client.zadd(
             self.bus.keys.lease_index(self.stage), {session_id: now_ms + self.ttl_ms}
@@ -227,3 +233,8 @@ class StageOwnership:
     async def note_drop(self, reason: str, count: int) -> None:
         """Count dropped outputs in the shared metrics hash (all processes add up)."""
         await self.bus.hincrby(self.bus.keys.metrics, f"dropped:{self.stage}:{reason}", count)
+
+
+def _text(value: object) -> str:
+    """A script's string reply, whether the connection decodes replies or not."""
+    return value.decode() if isinstance(value, bytes) else str(value or "")

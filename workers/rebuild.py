@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from dataplane.bus import Entry, RedisBus
 from schemas.errors import WireDecodeError
-from schemas.events import OutputEvent, decode_event, decode_output
+from schemas.events import OutputEvent, decode_event, decode_output, is_settings
 from workers.backends.base import RebuildWindow, StageEvent
 
 PAGE = 512
@@ -55,11 +55,12 @@ async def _backwards(bus: RedisBus, stream: str, end: str) -> AsyncIterator[Entr
 
 
 def _decode_input(entry: Entry) -> StageEvent | None:
+    """A history event for the backend: settings events are the runtime's, not its."""
     if b"e" not in entry.fields:
         return None  # a fence barrier, or a trimmed entry
     with contextlib.suppress(WireDecodeError):
         event = decode_event(entry.fields[b"e"])
-        if isinstance(event, StageEvent):
+        if isinstance(event, StageEvent) and not is_settings(event):
             return event
     return None
 
@@ -68,7 +69,8 @@ def _decode_output(entry: Entry) -> OutputEvent | None:
     if b"e" not in entry.fields:
         return None
     with contextlib.suppress(WireDecodeError):
-        return decode_output(entry.fields[b"e"])
+        output = decode_output(entry.fields[b"e"])
+        return None if is_settings(output) else output
     return None
 
 

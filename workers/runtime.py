@@ -49,9 +49,10 @@ from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
-from schemas.events import decode_control
+from schemas.events import SettingsPayload, decode_control
 from schemas.fence import Fence
 from schemas.keys import ASSIGN_GROUP, Keys
+from schemas.session_shape import settings_from_json
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
 from workers.ownership import AcquireStatus, Lease, StageOwnership
@@ -247,6 +248,7 @@ class Worker:
                 ),
             )  # fmt: skip
         ctx = StageContext(session_id, self.stage, lease.fence, self.stage_config.options)
+        ctx.session = _starting_settings(lease)
         ctx.interrupt = functools.partial(self._interrupt, ctx)
         ctx.end_turn = functools.partial(self._end_turn, ctx)
         # The heartbeat renews the lease while the history loads and the backend
@@ -503,3 +505,15 @@ class Worker:
                 lag = group.get("lag")
                 return bool(lag) if lag is not None else False
         return False
+
+
+def _starting_settings(lease: Lease) -> SettingsPayload:
+    """The settings a new owner starts from: the session's latest. Settings events the
+    stage has not applied yet are applied in order as it reaches them, so from there on
+    each input meets the settings in force when it was accepted."""
+    try:
+        return settings_from_json(lease.config)
+    except ValueError:
+        log.warning("the session's stored settings do not parse; using the defaults",
+                    extra=session_extra(lease.session_id, lease.fence))  # fmt: skip
+        return SettingsPayload()

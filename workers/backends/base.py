@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from schemas.events import InputEvent, OutputEvent, OutputKind
+from schemas.events import InputEvent, OutputEvent, OutputKind, SettingsPayload
 from schemas.fence import Fence
 
 
@@ -45,6 +45,11 @@ class StageContext:
     options: Mapping[str, Any]
     state: dict[str, Any] = field(default_factory=dict)
     """Backend-owned per-session state."""
+    session: SettingsPayload = field(default_factory=SettingsPayload)
+    """The session's settings as the client left them (``session.update``), kept
+    current in log order by the runtime: a backend reads what it acts on (the
+    instructions, the voice, whether audio is wanted, turn detection) when it uses it.
+    Settings events never reach ``handle``, ``absorb`` or ``start``."""
     interrupt: Callable[[str], Awaitable[Fence]] | None = None
     """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
     returns the new fence. Set by the runtime; a VAD hearing the user uses it."""

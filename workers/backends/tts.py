@@ -21,6 +21,11 @@ With ``pace`` > 0 the audio is held to that multiple of real time, at most
 answer would sit in the client's buffer and a barge-in could no longer stop
 it on the server; paced, what was sent is close to what was heard.
 
+The session's settings (``ctx.session``, from ``session.update``) choose the
+voice (the reference API's names map to espeak-ng voices, ``VOICES``; other
+names are espeak-ng's own) and, with text-only output, silence: the text is
+not spoken and the response ends with its ``done`` as usual.
+
 Text goes to espeak-ng on its stdin, never as an argument, so no text can be
 read as an option. ``continuous_input`` is false: text of a cancelled
 response is not spoken.
@@ -77,6 +82,22 @@ class TtsOptions(BaseModel):
     """Send each sentence as a ``transcript`` before its audio."""
     espeak: str = "espeak-ng"
     """The espeak-ng executable (a name on PATH or a path)."""
+
+
+VOICES = {
+    "alloy": "en-us", "ash": "en-us+m3", "ballad": "en-gb-x-rp+m2", "coral": "en-us+f3",
+    "echo": "en-us+m1", "sage": "en-gb+f2", "shimmer": "en-us+f4", "verse": "en-us+m4",
+    "marin": "en-us+f1", "cedar": "en-gb+m1",
+}  # fmt: skip
+"""The reference API's voice names and the espeak-ng voice each speaks with; any
+other name a session asks for is taken as an espeak-ng voice."""
+
+
+def espeak_voice(session_voice: str, default: str) -> str:
+    """The espeak-ng voice for a session's chosen voice (its stage's when none)."""
+    if not session_voice:
+        return default
+    return VOICES.get(session_voice.lower(), session_voice)
 
 
 def split_ready(text: str, *, final: bool, max_chars: int) -> tuple[list[str], str]:
@@ -180,6 +201,8 @@ class TtsBackend:
         if ctx.fence.epoch > session.epoch:
             session.text, session.sentences, session.epoch = "", 0, ctx.fence.epoch
         text, done = self._read(event)
+        if not ctx.session.audio_output:
+            text = ""  # text-only output: the response ends here, nothing is spoken
         ready, session.text = split_ready(
             session.text + text, final=done, max_chars=self.options.max_clause_chars
         )
@@ -256,8 +279,9 @@ class TtsBackend:
                 flush=True,
             )
         opts = self.options
+        voice = espeak_voice(ctx.session.voice, opts.voice)
         process = await asyncio.create_subprocess_exec(
-            self._executable, "--stdout", "--stdin", "-v", opts.voice,
+            self._executable, "--stdout", "--stdin", "-v", voice,
             "-s", str(opts.words_per_minute), "-p", str(opts.pitch),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
@@ -274,6 +298,8 @@ class TtsBackend:
             for piece in chunker.finish():
                 yield await self._paced(session, piece, index, last=True)
             if await process.wait() != 0:
+                if voice != opts.voice:
+                    raise BackendError(f"voice {ctx.session.voice!r} is not available")
                 raise BackendError(f"espeak-ng failed ({process.returncode}) on {sentence!r}")
         finally:
             # A cancel (barge-in) comes through here: the process dies before anything

@@ -26,6 +26,14 @@ text-only thinker downstream); a ``turn_commit_only`` ends the turn at once
 utterance in progress (``speech_stopped`` with ``reason = "cleared"``, no
 audio, no ``done``); video and playback acks are ignored.
 
+The session's settings (``ctx.session``, from ``session.update``) tune it:
+a client's ``threshold``, ``silence_duration_ms`` and ``prefix_padding_ms``
+replace the stage's options, ``interrupt_response: false`` stops barge-ins,
+and ``turn_detection: null`` turns detection off: the network is not run, no
+speech is announced, and the audio is kept until the client commits it (one
+utterance, as above) or clears it (a buffer reaching ``max_segment_s`` is
+committed, as an utterance that long is with detection on).
+
 Why drafts go through the outbox: the runtime publishes a ``handle`` call's
 drafts under the fence the call started with, and drops them once that fence
 is released. A chunk that barges in therefore keeps its drafts (the
@@ -75,6 +83,7 @@ from schemas.events import (
     InputEvent,
     OutputEvent,
     OutputKind,
+    SettingsPayload,
     TextPayload,
     TokensPayload,
     UnitPayload,
@@ -256,6 +265,10 @@ class VadSession:
     """Drafts of detected events not yet handed out by ``handle``."""
     fresh_start: bool = False
     """Speech started in one of those events (the barge-in is still to be made)."""
+    settings: SettingsPayload | None = None
+    """The session settings the detector is tuned to (``VadBackend._tune``)."""
+    manual: bool = False
+    """Turn detection is off: audio is kept until the client commits or clears it."""
 
     def keep(self, drafts: list[OutputDraft], started: bool) -> None:
         self.fresh += drafts
@@ -310,6 +323,7 @@ class VadBackend:
         end this stage published; drafts that rebuild finds unpublished go to the outbox."""
         session = self.new_session()
         ctx.state[_STATE_KEY] = session
+        self._tune(session, ctx.session)
         boundary = max((o.source_seq for o in outputs if o.kind is OutputKind.DONE), default=0)
         announced = any(
             o.kind is OutputKind.SPEECH_STARTED and o.source_seq > boundary for o in outputs
@@ -326,14 +340,15 @@ class VadBackend:
 
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
         session = self._session(ctx)
-        await self._detect(session, event)  # bad audio raises: the outbox stays
+        await self._detect(session, event, ctx.session)  # bad audio raises: the outbox stays
         new, started = session.take()
         drafts, session.outbox = session.outbox + new, []
         if ctx.end_turn is not None and any(_ends_turn(draft) for draft in new):
             # The user's turn ended here, not by a client commit (which reserved the
             # model's turn already): reserve it, so the answer is a response of its own.
             await ctx.end_turn()
-        if started and self.options.interrupt_response and ctx.interrupt is not None:
+        interrupts = self.options.interrupt_response and ctx.session.interrupt_response
+        if started and interrupts and ctx.interrupt is not None:
             # Everything is decided; publish at the new epoch once the barge-in is in.
             session.outbox = drafts
             await ctx.interrupt("speech_started")
@@ -348,7 +363,7 @@ class VadBackend:
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
         """Not called for continuous input; if it is, the audio still counts."""
         session = self._session(ctx)
-        await self._detect(session, event)
+        await self._detect(session, event, ctx.session)
         session.outbox += session.take()[0]
 
     async def release(self, ctx: StageContext, fence: Fence) -> None:
@@ -370,13 +385,17 @@ class VadBackend:
             session = ctx.state[_STATE_KEY] = self.new_session()
         return session
 
-    async def _detect(self, session: VadSession, event: StageEvent) -> None:
-        """Run one event through the detector; its drafts join ``session.fresh``.
+    async def _detect(
+        self, session: VadSession, event: StageEvent, settings: SettingsPayload
+    ) -> None:
+        """Run one event through the detector, tuned to the session's settings; its drafts
+        join ``session.fresh``.
 
         An event with audio is detected in a thread, after the one in flight (a cancelled
         call's), whose drafts come first; other events change the state inline."""
         # A cancelled call's refused audio is not raised here: this event is not at fault.
         await self._settle(session, raise_refusal=False)
+        self._tune(session, settings)
         if _audio_of(event) is None:
             session.keep(*self._consume(session, event))
             return
@@ -398,6 +417,37 @@ class VadBackend:
             session.keep(*job.result())
         elif raise_refusal:
             raise exc
+
+    def _tune(self, session: VadSession, settings: SettingsPayload) -> None:
+        """Follow the session's turn detection settings (``session.update``): threshold,
+        silence and prefix padding override the stage's options; with turn detection off
+        the network is not run and the audio waits for the client's commit. Nothing
+        heard is lost in a switch: audio kept for a commit becomes an utterance in
+        progress when detection comes back on (silence or a commit ends it), and an
+        utterance in progress is kept for the commit when detection goes off."""
+        if session.settings == settings:
+            return
+        session.settings = settings
+        opts = self.options
+        threshold = opts.threshold
+        if settings.vad_threshold is not None:
+            threshold = min(0.95, max(0.2, settings.vad_threshold))
+        silence_ms = settings.vad_silence_ms or opts.min_silence_ms
+        prefix_ms = opts.prefix_padding_ms
+        if settings.vad_prefix_padding_ms is not None:
+            prefix_ms = settings.vad_prefix_padding_ms
+        detector = session.detector
+        detector.threshold, detector.low = threshold, max(0.01, threshold - 0.15)
+        detector.silence_windows = max(1, _windows(silence_ms))
+        session.preroll = deque(
+            session.preroll, maxlen=detector.onset_windows + _windows(prefix_ms)
+        )
+        if session.manual == (not settings.server_vad):
+            return
+        session.manual = not settings.server_vad
+        session.preroll.clear()
+        detector.reset()
+        detector.speaking = not session.manual and bool(session.segment)
 
     def _replay(self, session: VadSession, tail: Sequence[AudioPayload]) -> list[OutputDraft]:
         """The drafts of a rebuild's audio (blocking: run in a thread)."""
@@ -421,7 +471,8 @@ class VadBackend:
         if isinstance(payload, TokensPayload):
             return [OutputDraft(OutputKind.TEXT_DELTA, token_ids=payload.token_ids)], False
         if isinstance(payload, CommitPayload):
-            drafts = self._end(session, "commit") if session.detector.speaking else []
+            heard = session.detector.speaking or (session.manual and session.segment)
+            drafts = self._end(session, "commit") if heard else []
             if not drafts:
                 drafts.append(
                     OutputDraft(OutputKind.DONE, meta={"reason": "commit", "turn_end": True})
@@ -454,7 +505,9 @@ class VadBackend:
         started = False
         for offset in range(0, whole, WINDOW):
             window = buffered[offset : offset + WINDOW]
-            transition = self._step(session, window)
+            transition = (
+                self._keep(session, window) if session.manual else self._step(session, window)
+            )
             if transition is Transition.START:
                 started = True
                 drafts.append(self._started(session))
@@ -481,6 +534,15 @@ class VadBackend:
             return Transition.CUT
         return transition
 
+    def _keep(self, session: VadSession, window: Samples) -> Transition | None:
+        """Turn detection off: keep the window for the commit; a buffer reaching
+        ``max_segment_s`` is committed as an utterance that long is with detection on."""
+        session.windows += 1
+        session.segment.append(window)
+        if len(session.segment) * WINDOW >= self.options.max_segment_s * RATE:
+            return Transition.CUT
+        return None
+
     def _started(self, session: VadSession) -> OutputDraft:
         start_ms = (session.windows - session.detector.onset_windows) * WINDOW * 1000 // RATE
         return OutputDraft(
@@ -499,11 +561,13 @@ class VadBackend:
         session.segments += 1
         end_ms = (session.windows - silent) * WINDOW * 1000 // RATE
         meta: dict[str, str | int | float | bool] = {"segment": session.segments}
-        drafts = [
-            OutputDraft(
-                OutputKind.SPEECH_STOPPED, meta={**meta, "audio_end_ms": end_ms}, flush=True
+        drafts = []
+        if not session.manual:  # with turn detection off no speech is announced
+            drafts.append(
+                OutputDraft(
+                    OutputKind.SPEECH_STOPPED, meta={**meta, "audio_end_ms": end_ms}, flush=True
+                )
             )
-        ]
         step = max(1, self.options.segment_chunk_ms * RATE // 1000)
         pieces = [audio[i : i + step] for i in range(0, len(audio), step)] or [audio]
         for index, piece in enumerate(pieces):

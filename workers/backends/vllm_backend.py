@@ -32,7 +32,8 @@ still streaming is continued after its delivered deltas rather than redone.
 
 History bounds (policy). The stored history keeps the newest
 ``history_max_messages`` messages (default 32). Each prompt keeps the
-``system_prompt`` and then as many of the newest exchanges as fit
+system prompt (the session's ``instructions`` when its client set them, else
+the stage's ``system_prompt``) and then as many of the newest exchanges as fit
 ``history_max_tokens`` (default ``max_model_len - max_tokens``); the oldest
 go first, whole, so the prompt starts with a user message. A user message
 too long to fit alone is answered with an error and dropped from the history.
@@ -218,7 +219,7 @@ class VllmBackend:
             chat.history.add_assistant(carried)
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
             return
-        prompt_ids = await self._prompt(chat, carried)
+        prompt_ids = await self._prompt(chat, carried, ctx.session.instructions)
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
         response = chat.live[request_id] = Response(request_id, seq, carried)
@@ -255,14 +256,14 @@ class VllmBackend:
                 meta={"request_id": request_id, "finish_reason": finish, "tokens": record.tokens},
             )
 
-    async def _prompt(self, chat: SessionChat, carried: Produced) -> list[int]:
-        """Token ids of the next prompt: the fitted history, then any carried deltas."""
+    async def _prompt(self, chat: SessionChat, carried: Produced, instructions: str) -> list[int]:
+        """Token ids of the next prompt: the fitted history, then any carried deltas. The
+        session's instructions (``session.update``) replace the stage's system prompt."""
         await self.engine.ready()
         budget = self.options.prompt_budget - len(carried.token_ids)
+        system = instructions or self.options.system_prompt
         try:
-            messages, _ = chat.history.fit(
-                self.engine.decode, self.engine.count, budget, self.options.system_prompt
-            )
+            messages, _ = chat.history.fit(self.engine.decode, self.engine.count, budget, system)
         except PromptTooLong as exc:
             chat.history.drop_last_user()
             log.warning("%s: %s; the message is dropped", self.options.model, exc)
