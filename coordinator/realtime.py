@@ -219,6 +219,8 @@ class ServerEventTranslator:
             error = error_event(code, out.text)
             failed = self.life.step(Item.FAILURE, response_id(out.fence), reason=code)
             return [error, *self._frame(failed, error=error["error"])]
+        if kind is OutputKind.TRANSCRIPT and out.meta.get("typed"):
+            return []  # typed, not heard: its conversation.item.created said it already
         if kind is OutputKind.TRANSCRIPT and out.meta.get("role") != "assistant":
             usage = {"type": "duration", "seconds": _number(out, "audio_seconds")}
             return [{"type": "conversation.item.input_audio_transcription.completed",
@@ -243,7 +245,8 @@ class ServerEventTranslator:
 
     def _done(self, out: OutputEvent) -> list[ServerEvent]:
         if out.stage not in self.terminal:
-            if out.meta.get("turn_end"):
+            # A turn the client's commit ended was announced when it was accepted.
+            if out.meta.get("turn_end") and "commit_seq" not in out.meta:
                 return [{"type": "input_audio_buffer.committed", "stage": out.stage,
                          "item_id": _speech_item(out)}]  # fmt: skip
             return []
@@ -251,9 +254,13 @@ class ServerEventTranslator:
 
 
 def _speech_item(out: OutputEvent) -> str:
-    """The id of the user's audio item an utterance makes: the voice activity stage
-    numbers its utterances (``segment``); a turn end without one (a commit) is named by
-    the output that carried it."""
+    """The id of the user's audio item an utterance makes: one a client commit ended is
+    named as the commit's announcement named it (``item_<commit seq>``); the voice
+    activity stage numbers the others (``segment``); a turn end with neither is named
+    by the output that carried it."""
+    commit_seq = out.meta.get("commit_seq")
+    if commit_seq is not None:
+        return f"item_{commit_seq}"
     segment = out.meta.get("segment")
     if segment is not None:
         return f"item_speech_{out.fence.incarnation}_{segment}"

@@ -159,8 +159,8 @@ class Pending:
     then_done: bool
     """A ``done`` (turn end) follows the transcript."""
     meta: dict[str, int | float] = field(default_factory=dict)
-    """What the transcript's output says of its audio: the voice activity stage's
-    utterance number (``segment``) when it has one, and ``audio_seconds``."""
+    """What the transcript's output says of its audio: the utterance's names
+    (``_UTTERANCE``) when it has them, and ``audio_seconds``."""
 
 
 @dataclass
@@ -267,16 +267,14 @@ class AsrBackend:
             ends = ends or session.buffered_seconds() >= self.options.max_buffer_s
         if ends or (turn_end and session.buffer):
             meta: dict[str, int | float] = {"audio_seconds": round(session.buffered_seconds(), 3)}
-            segment = event.meta.get("segment") if isinstance(event, OutputEvent) else None
-            if isinstance(segment, int):
-                meta["segment"] = segment
+            meta |= _utterance(event)
             session.pending = Pending(
                 asyncio.create_task(self.transcribe(session.take_audio())), turn_end, meta
             )
             for draft in await self._settle(session):
                 yield draft
         elif turn_end:
-            for draft in self._turn_end(session):
+            for draft in self._turn_end(session, _utterance(event)):
                 yield draft
         elif audio is None:
             for draft in self._pass(session, event):
@@ -329,13 +327,17 @@ class AsrBackend:
                 OutputDraft(OutputKind.TRANSCRIPT, text=text, meta=dict(pending.meta), flush=True)
             )
         if pending.then_done:
-            drafts += self._turn_end(session)
+            drafts += self._turn_end(session, pending.meta)
         return drafts
 
-    def _turn_end(self, session: AsrSession) -> list[OutputDraft]:
+    def _turn_end(
+        self, session: AsrSession, utterance: Mapping[str, int | float]
+    ) -> list[OutputDraft]:
+        """The turn's ``done``, naming the utterance (or the commit) that ended it."""
         heard, session.heard = session.heard, False
         if heard or not self.options.skip_silent_turns:
-            return [OutputDraft(OutputKind.DONE, meta={"turn_end": True})]
+            meta = {k: v for k, v in utterance.items() if k in _UTTERANCE}
+            return [OutputDraft(OutputKind.DONE, meta={"turn_end": True, **meta})]
         return []
 
     @staticmethod
@@ -344,16 +346,32 @@ class AsrBackend:
         if isinstance(event, InputEvent):
             if isinstance(event.payload, TextPayload) and event.payload.text:
                 session.heard = True
-                return [OutputDraft(OutputKind.TRANSCRIPT, text=event.payload.text, flush=True)]
+                return [OutputDraft(OutputKind.TRANSCRIPT, text=event.payload.text, meta=_TYPED,
+                                    flush=True)]  # fmt: skip
             return []
         if event.kind is OutputKind.TEXT_DELTA and event.text:
             session.heard = True
-            return [OutputDraft(OutputKind.TRANSCRIPT, text=event.text, flush=True)]
+            return [OutputDraft(OutputKind.TRANSCRIPT, text=event.text, meta=_TYPED, flush=True)]
         if event.kind in _PASS_THROUGH:
             session.heard = session.heard or event.kind is OutputKind.TRANSCRIPT
             meta = {k: v for k, v in event.meta.items() if k != "last"}
             return [OutputDraft(event.kind, text=event.text, meta=meta, flush=True)]
         return []
+
+
+_TYPED = {"typed": True}
+"""Meta of a transcript that was typed, not heard: no transcription to report."""
+_UTTERANCE = ("segment", "commit_seq")
+"""Meta naming the user's utterance: the voice activity stage's number for it, and the
+input seq of the client commit that ended it (``coordinator.realtime`` names the
+user's audio item from them)."""
+
+
+def _utterance(event: StageEvent) -> dict[str, int]:
+    """The utterance-naming meta of an event (a commit read from the log names itself)."""
+    if isinstance(event, InputEvent):
+        return {"commit_seq": event.seq} if isinstance(event.payload, CommitPayload) else {}
+    return {k: v for k in _UTTERANCE if type(v := event.meta.get(k)) is int}
 
 
 def _classify(event: StageEvent) -> tuple[tuple[int, Samples] | None, bool, bool]:

@@ -471,12 +471,14 @@ class VadBackend:
         if isinstance(payload, TokensPayload):
             return [OutputDraft(OutputKind.TEXT_DELTA, token_ids=payload.token_ids)], False
         if isinstance(payload, CommitPayload):
+            # The client's commit names the utterance it ends (its input seq), so its
+            # announcement and the transcript agree on the user's item.
             heard = session.detector.speaking or (session.manual and session.segment)
-            drafts = self._end(session, "commit") if heard else []
+            drafts = self._end(session, "commit", commit_seq=event.seq) if heard else []
             if not drafts:
-                drafts.append(
-                    OutputDraft(OutputKind.DONE, meta={"reason": "commit", "turn_end": True})
-                )
+                ended: dict[str, str | int | float | bool] = {"reason": "commit", "turn_end": True}
+                ended["commit_seq"] = event.seq
+                drafts.append(OutputDraft(OutputKind.DONE, meta=ended))
             return drafts, False
         if isinstance(payload, ClearPayload):
             return self._clear(session), False
@@ -551,7 +553,9 @@ class VadBackend:
             flush=True,
         )
 
-    def _end(self, session: VadSession, reason: str) -> list[OutputDraft]:
+    def _end(
+        self, session: VadSession, reason: str, *, commit_seq: int | None = None
+    ) -> list[OutputDraft]:
         """Close the utterance: stopped, its audio in deltas, the turn's end."""
         silent = session.detector.silence_run if reason == "silence" else 0
         keep = len(session.segment) - max(0, silent - _windows(self.options.suffix_padding_ms))
@@ -561,6 +565,8 @@ class VadBackend:
         session.segments += 1
         end_ms = (session.windows - silent) * WINDOW * 1000 // RATE
         meta: dict[str, str | int | float | bool] = {"segment": session.segments}
+        if commit_seq is not None:
+            meta["commit_seq"] = commit_seq
         drafts = []
         if not session.manual:  # with turn detection off no speech is announced
             drafts.append(
