@@ -1,4 +1,5 @@
-"""The coordinator's ASGI app: ``/v1/realtime``, health, readiness and metrics.
+"""The coordinator's ASGI app: ``/v1/realtime``, client secrets, health, readiness and
+metrics.
 
 Served by uvicorn (``duplexq coordinator``). One ``Hub`` per process: the
 journal reader loop starts and stops with the app's lifespan.
@@ -19,23 +20,15 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from coordinator.auth import presented, split_subprotocols
 from coordinator.connection import Connection
 from coordinator.hub import Hub
 from dataplane.metrics import REGISTRY
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError
 
-_BEARER = "bearer "
 STATIC_DIR = Path(__file__).with_name("static")
 """The browser demo (``/``): plain HTML and JS, served as files, no build step."""
-
-
-def presented_key(headers: dict[str, str], query: dict[str, str]) -> str | None:
-    """The API key a client presented: ``Authorization: Bearer`` or ``?api_key=``."""
-    auth = headers.get("authorization", "")
-    if auth.lower().startswith(_BEARER):
-        return auth[len(_BEARER) :].strip() or None
-    return query.get("api_key") or None
 
 
 def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
@@ -53,14 +46,17 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
                 await task
 
     async def realtime(websocket: WebSocket) -> None:
-        key = presented_key(dict(websocket.headers), dict(websocket.query_params))
+        headers = websocket.headers
+        offered = split_subprotocols(headers.getlist("sec-websocket-protocol"))
+        credential = presented(headers.get("authorization"), offered)
         try:
-            hub.check_key(key)
+            identity = await hub.secrets.identify(credential.credential)
         except AuthError:
+            # Refused before the handshake completes: the client sees HTTP 403.
             await websocket.close(code=1008, reason="unauthorized")
             return
-        await websocket.accept()
-        await Connection(hub, websocket, key).serve()
+        await websocket.accept(subprotocol=credential.subprotocol)
+        await Connection(hub, websocket, identity).serve()
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -86,6 +82,7 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
     app = Starlette(
         routes=[
             WebSocketRoute("/v1/realtime", realtime),
+            Route("/v1/realtime/client_secrets", hub.secrets.handle_mint, methods=["POST"]),
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),

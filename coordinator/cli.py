@@ -43,9 +43,17 @@ def _pipeline_for_up(path: Path | None) -> tuple[PipelineConfig, Path]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     settings = load_settings(args.settings, args.redis_url)
+    key_note = "API key: one of DUPLEXQ_API_KEYS" if settings.api_keys else "no API key needed"
     if not settings.api_keys and not settings.allow_anonymous:
-        # A fresh key for this run; it is printed with the demo page's URL.
+        # A fresh key for this run, in a file only its owner reads: never printed, so it
+        # lands in no terminal log or URL.
+        key_file = Path(args.workdir).resolve() / "api_key"
+        key_file.parent.mkdir(parents=True, exist_ok=True)
         settings = settings.model_copy(update={"api_keys": (secrets.token_urlsafe(16),)})
+        key_file.touch(mode=0o600)
+        key_file.chmod(0o600)
+        key_file.write_text(settings.api_keys[0] + "\n")
+        key_note = f"API key for this run: in {key_file}"
     pipeline, pipeline_path = _pipeline_for_up(args.pipeline)
     stack = LocalStack(settings, pipeline_path.resolve(), Path(args.workdir).resolve())
     try:
@@ -56,11 +64,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 stack.start_worker(stage, f"{stage}-{n}")
         stack.start_control()
         base = stack.start_coordinator(args.port if args.port is not None else settings.port)
-        key = f"?api_key={settings.api_keys[0]}" if settings.api_keys else ""
         print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
               f" -> client), {args.workers} worker(s) per stage, Redis at "
               f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
-        print(f"demo page: {base}/{key}")
+        print(f"demo page: {base}/ ({key_note}; the page asks for it)")
         print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
         if not args.no_demo:
             ok = asyncio.run(demonstrate(stack, pipeline))

@@ -3,7 +3,9 @@
 A connection authenticates, opens (or resumes) a session, then runs two
 tasks: ``receive`` (client events -> session log, in order) and ``pump``
 (journal -> server events). A bad event gets an ``error`` with a stable code
-and the connection goes on; nothing already accepted is touched.
+and the connection goes on; nothing already accepted is touched. What a
+connection may cost (event rate, pending input, journaled errors, queued
+server events) is bounded: ``coordinator.limits``, ``coordinator.outbound``.
 
 On disconnect the session is kept for ``resume_grace_s``; a
 ``session.resume`` with its token (on this or any coordinator process, with
@@ -24,13 +26,13 @@ import json
 import logging
 import secrets
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from coordinator.attachments import key_digest
-from coordinator.output_reader import Delivery
+from coordinator.auth import Identity
+from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
+from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
 from coordinator.realtime import (
     ServerEventTranslator,
     audio_payload,
@@ -48,6 +50,7 @@ from schemas.errors import (
     ErrorCode,
     InputBackpressureError,
     ProtocolError,
+    RateLimitedError,
     SessionClosedError,
 )
 from schemas.events import (
@@ -113,24 +116,28 @@ def _now_ms() -> int:
 class Connection:
     """One WebSocket client: its session, its event order, its errors."""
 
-    def __init__(self, hub: Hub, socket: Socket, api_key: str | None = None) -> None:
+    def __init__(self, hub: Hub, socket: Socket, identity: Identity | None = None) -> None:
         self.hub = hub
         self.socket = socket
         self.coordinator = hub.coordinator
         self.session_id = ""
         self.attachment = secrets.token_hex(8)
         """This connection's id in the session's attachment."""
-        self.key_digest = key_digest(api_key)
+        self.identity = identity or Identity("")
+        self.key_digest = self.identity.key_digest
         self.config = SessionConfig()
         self.translator = ServerEventTranslator(hub.terminal)
-        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.outbound = Outbound(hub.settings.max_outbound_events)
+        self.limits = ConnectionLimits(hub.settings, time.monotonic)
+        self._last_seq = 0
+        """The session-log seq of this connection's latest append."""
+        self._sent_seq = 0
+        """The ``server_event_seq`` of the latest journaled event sent to the socket."""
         self.min_epoch = 0
         self._ended_up_to = 0
         """The highest response_seq whose response this connection has seen end (or has
         cancelled): with the session's reserved one, whether a response is in progress."""
         self.uncommitted = False
-        self._pending: deque[tuple[int, int]] = deque()
-        self._pending_bytes = 0
         self._turn_ended: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------
@@ -152,17 +159,34 @@ class Connection:
                     "event_id": _fresh_event_id(),
                 }
             )
-            await self.socket.close(code=1008 if isinstance(exc, AuthError) else 1011)
+            # 1013 (try again later) for a capacity limit, such as ``session_limit``.
+            code = 1008 if isinstance(exc, AuthError) else 1013 if exc.retryable else 1011
+            await self.socket.close(code=code)
             return
         try:
             async with asyncio.TaskGroup() as group:
                 pump = group.create_task(self._pump())
+                guard = group.create_task(self._close_when_overflowed(pump))
                 if first is not None:
-                    await self._handle(first)
+                    await self._process(self._first_raw, first)
                 await self._receive()
                 pump.cancel()
+                guard.cancel()
         finally:
             await self.hub.detach(self)
+
+    def deliver(self, item: Outgoing) -> None:
+        """Queue a server event for the socket; never waits (``coordinator.outbound``)."""
+        self.outbound.put(item)
+
+    async def _close_when_overflowed(self, pump: asyncio.Task[None]) -> None:
+        """A client that stopped reading: stop sending and close with 4008; its receive
+        loop then ends and the session waits for a resume."""
+        await self.outbound.overflowed.wait()
+        pump.cancel()
+        log.warning("session %s: %s; closing its connection", self.session_id, OVERFLOW_REASON)
+        with contextlib.suppress(Exception):
+            await self.socket.close(code=OVERFLOW_CLOSE_CODE, reason=OVERFLOW_REASON)
 
     async def evict(self, reason: str) -> None:
         """Another connection serves the session now: close this socket (its receive
@@ -176,6 +200,7 @@ class Connection:
             raw = await asyncio.wait_for(self.socket.receive_text(), wait_s)
         except TimeoutError:
             return None
+        self._first_raw = raw
         try:
             return parse_client_event(raw, self.hub.settings.max_event_bytes)
         except ProtocolError as exc:
@@ -185,6 +210,7 @@ class Connection:
     async def _open(self) -> None:
         self.hub.reserve()
         self.session_id = f"sess_{secrets.token_hex(12)}"
+        await self.hub.live.admit(self.session_id, self.key_digest, _now_ms(), resume=False)
         token = secrets.token_urlsafe(32)
         fence = await self.coordinator.open(self.session_id)
         await self.hub.attachments.attach(
@@ -204,6 +230,10 @@ class Connection:
                           "response_seq": 0},
             }
         )  # fmt: skip
+        if self.identity.session:
+            # The client secret's session settings, applied as a first update would be.
+            update = {"type": "session.update", "session": dict(self.identity.session)}
+            await self._handle(SessionUpdate.model_validate(update))
         early = getattr(self, "_early_error", None)
         if early is not None:
             await self._error(early)
@@ -217,6 +247,7 @@ class Connection:
             )
         except SessionClosedError as exc:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
+        await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
         # The token is good for one resume: the next one needs the token sent now.
@@ -238,6 +269,7 @@ class Connection:
         )  # fmt: skip
         for server_event in replay.events:
             await self.socket.send_json(server_event)
+        self._sent_seq = replay.last_seq
 
     async def _stored_config(self) -> SessionConfig:
         """The session's configuration as its last ``session.update`` left it."""
@@ -260,17 +292,36 @@ class Connection:
                 raw = await self.socket.receive_text()
             except Exception:  # the client went away (WebSocketDisconnect and kin)
                 return
-            try:
-                event = parse_client_event(raw, self.hub.settings.max_event_bytes)
-                await self._handle(event)
-            except DuplexqError as exc:
-                await self._error(exc, _client_event_id(raw))
+            await self._process(raw)
+
+    async def _process(self, raw: str, event: ClientEvent | None = None) -> None:
+        """Take one client event within the connection's limits, or answer an error."""
+        settings = self.hub.settings
+        try:
+            if not self.limits.take_event():
+                raise RateLimitedError(
+                    f"more than {settings.max_events_per_s:g} events a second (bursts of "
+                    f"{settings.event_burst}); this event was refused, slow down"
+                )
+            if event is None:
+                event = parse_client_event(raw, settings.max_event_bytes)
+            cost = self.limits.budget.cost(event)
+            if not isinstance(event, CONTROL_EVENTS):
+                await self._check_backpressure(cost)
+            await self._handle(event)
+            self.limits.budget.charge(self._last_seq, cost)
+        except DuplexqError as exc:
+            await self._error(exc, _client_event_id(raw))
 
     async def _error(self, exc: DuplexqError, client_event_id: str | None = None) -> None:
-        """Journal the error; it names the client event it answers when that had an id."""
-        await self.coordinator.authority.journal(
-            self.session_id, error_event(exc.code.value, exc.message, client_event_id)
-        )
+        """Journal the error (a resume replays it) while the connection's allowance
+        lasts, else send it to the socket only; it names the client event it answers
+        when that had an id."""
+        event = error_event(exc.code.value, exc.message, client_event_id)
+        if self.limits.journal_error():
+            await self.coordinator.authority.journal(self.session_id, event)
+        else:
+            self.deliver(event)
 
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
@@ -356,25 +407,20 @@ class Connection:
         await self.coordinator.authority.journal(self.session_id, {"type": event_type, **fields})
 
     async def _append(self, mode: InputMode, payload: Payload) -> int:
-        size = _payload_size(payload)
-        await self._check_backpressure(size)
         receipt = await self.coordinator.append(self.session_id, mode, payload)
-        self._pending.append((receipt.seq, size))
-        self._pending_bytes += size
+        self._last_seq = receipt.seq
         if mode is not InputMode.TURN_COMMIT_ONLY:
             self.uncommitted = True
         return receipt.seq
 
-    async def _check_backpressure(self, size: int) -> None:
-        limit = self.hub.settings.max_pending_input_bytes
-        if self._pending_bytes + size <= limit:
+    async def _check_backpressure(self, cost: int) -> None:
+        budget = self.limits.budget
+        if budget.fits(cost):
             return
-        applied = await self._applied_by_first_stages()
-        while self._pending and self._pending[0][0] <= applied:
-            self._pending_bytes -= self._pending.popleft()[1]
-        if self._pending_bytes + size > limit:
+        budget.release(await self._applied_by_first_stages())
+        if not budget.fits(cost):
             raise InputBackpressureError(
-                f"{self._pending_bytes} input bytes are not yet processed (limit {limit}); "
+                f"{budget.pending} input bytes are not yet processed (limit {budget.limit}); "
                 "slow down and retry"
             )
 
@@ -388,7 +434,12 @@ class Connection:
 
     async def _pump(self) -> None:
         while True:
-            delivery = await self.queue.get()
+            item = await self.outbound.get()
+            if isinstance(item, dict):  # not journaled: placed after what was sent
+                fields = {"event_id": _fresh_event_id(), "server_event_seq": self._sent_seq}
+                await self.socket.send_json({**item, **fields})
+                continue
+            delivery = item
             event = delivery.event
             if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
                 continue  # queued before this connection's cancel returned: stale now
@@ -404,6 +455,7 @@ class Connection:
                     ended = int(server_event["fence"]["response_seq"])
                     self._ended_up_to = max(self._ended_up_to, ended)
                 await self.socket.send_json(server_event)
+                self._sent_seq = server_event["server_event_seq"]
 
 
 def _fresh_event_id() -> str:
@@ -420,14 +472,3 @@ def _client_event_id(raw: str) -> str | None:
         return None
     event_id = data.get("event_id") if isinstance(data, dict) else None
     return event_id[:128] if isinstance(event_id, str) and event_id else None
-
-
-def _payload_size(payload: Payload) -> int:
-    data = getattr(payload, "data", None)
-    if isinstance(data, bytes):
-        return len(data)
-    frames = getattr(payload, "frames", None)
-    if frames is not None:
-        return sum(len(frame) for frame in frames)
-    text = getattr(payload, "text", "")
-    return len(text.encode()) if isinstance(text, str) else 0

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from typing import TYPE_CHECKING
 
+from coordinator.admission import LiveSessions
 from coordinator.attachments import Attachments
+from coordinator.client_secrets import ClientSecrets
 from coordinator.service import Coordinator
 from dataplane.authority import now_ms as _now_ms
 from dataplane.metrics import SESSIONS
 from schemas.config import PipelineConfig, Settings
-from schemas.errors import AuthError, DuplexqError, ResourceExhaustedError
+from schemas.errors import DuplexqError, ResourceExhaustedError
 
 if TYPE_CHECKING:
     from coordinator.connection import Connection
@@ -49,21 +50,12 @@ class Hub:
         self.pipeline = pipeline
         self.coordinator = Coordinator(settings, pipeline)
         self.attachments = Attachments(self.coordinator.bus, settings.attach_ttl_ms)
+        self.live = LiveSessions(self.coordinator.bus, settings)
+        self.secrets = ClientSecrets(self.coordinator.bus, settings)
         self.terminal = terminal_stages(pipeline)
         self.connections: dict[str, Connection] = {}
         self.graces: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
-
-    def check_key(self, presented: str | None) -> None:
-        if self.settings.allow_anonymous and not presented:
-            return
-        # Compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters,
-        # and a malformed key must be refused like any wrong one, not crash the handshake.
-        given = (presented or "").encode("utf-8", "surrogateescape")
-        keys = self.settings.api_keys
-        if given and any(hmac.compare_digest(given, key.encode()) for key in keys):
-            return
-        raise AuthError("a valid API key is required")
 
     def reserve(self) -> None:
         if len(self.connections) >= self.settings.max_sessions:
@@ -89,18 +81,25 @@ class Hub:
             for delivery in deliveries:
                 connection = self.connections.get(delivery.session_id)
                 if connection is not None:
-                    connection.queue.put_nowait(delivery)
+                    connection.deliver(delivery)
 
     async def _hold(self) -> None:
-        """Renew the attachments of this process's connections; close the ones whose
-        session another connection took over."""
+        """Renew the attachments of this process's connections and the counts of their
+        sessions; close the ones whose session another connection took over."""
         period = self.settings.attach_ttl_ms / 3000
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), period)
-            held = {sid: conn.attachment for sid, conn in self.connections.items()}
+            connections = dict(self.connections)
+            held = {sid: conn.attachment for sid, conn in connections.items()}
             try:
                 statuses = await self.attachments.hold(held, _now_ms())
+                digests = {sid: conn.key_digest for sid, conn in connections.items()}
+                await self.live.renew(
+                    {sid: digests[sid] for sid, status in statuses.items() if status == "ok"},
+                    {sid: digests[sid] for sid, status in statuses.items() if status == "closed"},
+                    _now_ms(),
+                )
             except Exception:
                 log.exception("renewing attachments failed; retrying")
                 continue
@@ -142,14 +141,15 @@ class Hub:
         try:
             if not await self.attachments.detach(sid, connection.attachment, _now_ms()):
                 return  # another coordinator's connection holds it now
+            await self.live.detached(sid, connection.key_digest, _now_ms())
         except Exception:
             # Redis unreachable: the attachment lapses on its own and the grace
             # period runs from there.
             log.warning("could not record the detach of session %s", sid, exc_info=True)
         if not self._stopping.is_set():
-            self.graces[sid] = asyncio.create_task(self._expire(sid))
+            self.graces[sid] = asyncio.create_task(self._expire(sid, connection.key_digest))
 
-    async def _expire(self, session_id: str) -> None:
+    async def _expire(self, session_id: str, key_digest: str) -> None:
         grace_ms = self.settings.resume_grace_s * 1000
         try:
             await asyncio.sleep(grace_ms / 1000)
@@ -161,6 +161,7 @@ class Hub:
             )
             if closed is not None:
                 log.info("session %s closed after the resume grace period", session_id)
+                await self.live.drop(session_id, key_digest)
         except DuplexqError:
             pass  # closed meanwhile
         finally:

@@ -160,6 +160,11 @@ class RedisBus:
     def _register(self, body: str) -> Any:
         return self.client.register_script(scripts.PRELUDE + body)
 
+    def register(self, body: str) -> Any:
+        """A Lua script of another module, for ``run`` and ``run_many`` (with the
+        shared prelude)."""
+        return self._register(body)
+
     def reader(self, block_ms: int) -> aioredis.Redis:
         """A dedicated connection for blocking reads of up to ``block_ms``."""
         conn: aioredis.Redis = _client(

@@ -93,21 +93,57 @@ class Settings(_Model):
     closed_ttl_s: int = Field(3600, ge=1, le=30 * 86400)
     """Seconds a closed session's keys are kept (for replay and late readers)."""
     max_sessions: int = Field(10_000, ge=1)
-    """Most sessions one coordinator serves at once."""
+    """Most client connections one coordinator process serves at once (a bound on its
+    memory); beyond it a new connection gets ``resource_exhausted``."""
+    max_sessions_per_key: int = Field(1000, ge=1)
+    """Most live sessions one API key holds across every coordinator: attached ones and
+    detached ones still within their resume grace. Sessions opened with a client secret
+    count against the key that minted it; anonymous sessions share one count. Beyond it
+    opening a session gets ``session_limit`` and the socket is closed with 1013."""
+    max_sessions_total: int = Field(100_000, ge=1)
+    """Most live sessions of the whole deployment, counted as ``max_sessions_per_key``
+    counts them; beyond it opening a session gets ``session_limit``."""
     host: str = "127.0.0.1"
     """Address the coordinator's HTTP/WebSocket server binds."""
     port: int = Field(8080, ge=0, le=65535)
     """Port of the coordinator's HTTP/WebSocket server (0: any free port)."""
     api_keys: tuple[str, ...] = ()
-    """Accepted API keys (Bearer header or ``api_key`` query parameter); comma-separated
-    in ``DUPLEXQ_API_KEYS``."""
+    """Accepted API keys (``Authorization: Bearer`` or the WebSocket subprotocol
+    ``openai-insecure-api-key.<key>``); comma-separated in ``DUPLEXQ_API_KEYS``. Never
+    accepted in a URL."""
     allow_anonymous: bool = False
     """Serve clients without an API key. Off unless explicitly enabled."""
+    client_secret_ttl_s: int = Field(600, ge=10, le=7200)
+    """Lifetime of a client secret (``POST /v1/realtime/client_secrets``) whose request
+    names none; a request may ask for 10 to 7200 seconds."""
     max_event_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest client event accepted; bigger ones get ``event_too_large``."""
     max_pending_input_bytes: int = Field(8 << 20, ge=1024)
-    """Input bytes a session may have accepted but not yet applied by its first stages;
-    beyond it appends get ``input_backpressure``."""
+    """Input bytes a connection may have sent that its session's first stages have not
+    applied yet; beyond it events get ``input_backpressure`` (cancels and barge-ins are
+    counted but never refused: control goes before data). Every event counts: an append
+    its payload's size, at least ``min_event_cost_bytes``."""
+    min_event_cost_bytes: int = Field(256, ge=1, le=1 << 20)
+    """What one client event costs at least against ``max_pending_input_bytes``: a
+    commit, clear, ack, cancel or ``session.update`` carries no input bytes yet costs a
+    Redis write and a stage's work."""
+    max_events_per_s: float = Field(200.0, gt=0, le=100_000)
+    """Client events one connection may send per second, sustained (a token bucket
+    refilled at this rate). An event beyond it is refused with ``rate_limited``; the
+    connection goes on."""
+    event_burst: int = Field(400, ge=1, le=1_000_000)
+    """Client events one connection may send at once above ``max_events_per_s`` (the
+    token bucket's size)."""
+    max_outbound_events: int = Field(4096, ge=16, le=1_000_000)
+    """Server events queued for one connection's socket at most. A client that stops
+    reading fills it and is disconnected with close code 4008; its session stays
+    resumable and nothing accepted is lost (the journal holds it)."""
+    journaled_error_burst: int = Field(32, ge=1, le=100_000)
+    """Errors answering a connection's refused events that are written to the session's
+    journal at once (and so replayed on a resume); refilled at
+    ``journaled_errors_per_s``. Errors beyond it go to the socket only."""
+    journaled_errors_per_s: float = Field(1.0, gt=0, le=10_000)
+    """The rate at which a connection's journaled-error allowance refills."""
     resume_grace_s: int = Field(60, ge=0, le=86_400)
     """How long a session without a connection is kept for ``session.resume``."""
     attach_ttl_ms: int = Field(5000, ge=300, le=600_000)

@@ -9,7 +9,11 @@ Hierarchy::
     │   ├── SessionNotFoundError      session_not_found
     │   └── SessionClosedError        session_closed: reopen needs a higher incarnation
     ├── ResourceExhaustedError        resource_exhausted (retryable): a capacity limit
+    │   └── SessionLimitError         session_limit (retryable): too many live sessions for
+    │                                 the API key or the deployment
     ├── InputBackpressureError        input_backpressure (retryable): too much pending input
+    ├── RateLimitedError              rate_limited (retryable): a connection sent events
+    │                                 faster than its rate
     ├── InvalidInputError             a client or wire input that failed validation
     │   ├── UnsupportedModeError      unsupported_mode (also a ValueError, "not supported")
     │   ├── WireDecodeError           invalid_wire_event: bytes from Redis that do not decode
@@ -52,6 +56,12 @@ class ErrorCode(StrEnum):
     STAGE_ERROR = "stage_error"
     SESSION_FAILED = "session_failed"
     """A stage failed on the session too many times in a row; it was closed."""
+    SESSION_LIMIT = "session_limit"
+    """Opening a session would exceed the live sessions allowed for the API key
+    (``max_sessions_per_key``) or for the deployment (``max_sessions_total``)."""
+    RATE_LIMITED = "rate_limited"
+    """A connection sent events faster than ``max_events_per_s`` allows; the event was
+    refused, the connection goes on."""
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
     """``response.cancel`` while no response is reserved or streaming (as the reference
     API answers it); ``barge_in`` is never refused."""
@@ -102,6 +112,15 @@ class ResourceExhaustedError(DuplexqError):
     """A capacity limit was hit; the same call may succeed later."""
 
     code = ErrorCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class SessionLimitError(ResourceExhaustedError):
+    code = ErrorCode.SESSION_LIMIT
+
+
+class RateLimitedError(DuplexqError):
+    code = ErrorCode.RATE_LIMITED
     retryable = True
 
 

@@ -36,6 +36,10 @@ dq:bell[:{p}]:{consumer}    stream  session ids whose streams for ``consumer``
                                     ``c`` control), capped at ``BELL_LENGTH``
 dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
 dq:sessions                 zset    open session ids -> opened at (ms)
+dq:{live}:all               zset    live session ids -> counted until (ms): admission
+dq:{live}:key:{digest}      zset    the same, of the sessions of one API key digest
+dq:secret:{sha256}          string  client secret digest -> JSON: minting key digest,
+                                    session settings (TTL: the secret's lifetime)
 dq:metrics                  hash    counters shared by all processes
 ==========================  ======  =============================================
 """
@@ -143,6 +147,20 @@ class Keys:
     def resume(self, token_digest: str) -> str:
         """Resume-token index: sha256 of a session's resume token -> session id."""
         return f"{self.prefix}:resume:{token_digest}"
+
+    def client_secret(self, secret_digest: str) -> str:
+        """Client-secret index: sha256 of a secret -> what it grants (TTL: its life)."""
+        return f"{self.prefix}:secret:{secret_digest}"
+
+    @property
+    def live_sessions(self) -> str:
+        """Every live session (``coordinator.admission``); its hash tag keeps it in the
+        slot of the per-key sets, so one script checks both."""
+        return f"{self.prefix}:{{live}}:all"
+
+    def live_sessions_of(self, key_digest: str) -> str:
+        """The live sessions of one API key digest (``anonymous``: no key)."""
+        return f"{self.prefix}:{{live}}:key:{key_digest or 'anonymous'}"
 
     @property
     def sessions(self) -> str:

@@ -126,8 +126,10 @@ async def demo_page(http_base: str, mic_wav: Path, api_key: str = "k1") -> Async
         )
         try:
             demo = DemoPage(await browser.new_page())
-            await demo.page.goto(f"{http_base}/?api_key={api_key}")
+            await demo.page.goto(f"{http_base}/")
             await demo.page.wait_for_function("() => window.duplexqDemo !== undefined")
+            # The page mints a client secret with the key typed in: no key in its URL.
+            await demo.page.fill("#api-key", api_key)
             yield demo
         finally:
             await browser.close()

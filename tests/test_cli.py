@@ -34,7 +34,11 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demonstration passed" in proc.stdout
-    assert f"demo page: http://127.0.0.1:{port}/?api_key=" in proc.stdout
+    # The run's key is in a file only its owner reads, never in a URL or a printed line.
+    key = (tmp_path / "api_key").read_text().strip()
+    assert (tmp_path / "api_key").stat().st_mode & 0o077 == 0
+    assert f"demo page: http://127.0.0.1:{port}/ (API key for this run: in " in proc.stdout
+    assert key not in proc.stdout + proc.stderr and "api_key=" not in proc.stdout
     assert "0 stale outputs delivered" in proc.stdout
     assert "answered with" in proc.stdout and "text 'hello, who are you?" in proc.stdout
     assert "at incarnation 1" in proc.stdout

@@ -59,11 +59,17 @@ async def test_auth_is_required(settings):
             assert info.value.response.status_code == 403
         # A key with characters outside ASCII is refused as a wrong one, not a crash.
         with pytest.raises(websockets.exceptions.InvalidStatus) as info:
-            async with websockets.connect(f"{base}/v1/realtime?api_key=cl%C3%A9"):
+            headers = {"Authorization": "Bearer cl\u00e9"}
+            async with websockets.connect(f"{base}/v1/realtime", additional_headers=headers):
                 pass
         assert info.value.response.status_code == 403
-        async with websockets.connect(f"{base}/v1/realtime?api_key=k1") as ws:
-            assert json.loads(await ws.recv())["type"] == "session.created"
+        # A URL never carries a key: the query form is not accepted.
+        with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+            async with websockets.connect(f"{base}/v1/realtime?api_key=k1"):
+                pass
+        assert info.value.response.status_code == 403
+        async with Client.connect(base, key="k1") as client:
+            assert (await client.recv())["type"] == "session.created"
 
 
 def _png(size=(8, 8)) -> str:
@@ -167,6 +173,8 @@ async def test_backpressure_refuses_appends_until_the_stage_catches_up(settings)
         assert error["error"]["code"] == "input_backpressure"
         # Once a worker applies what was accepted, the session takes input again.
         async with running_worker(settings, pipeline, "echo"):
+            for _ in range(2):
+                await client.until("response.output_audio.delta")
             for event in text_turn("flows again"):
                 await client.send(event)
             events = await until_completed(client, within_s=20)

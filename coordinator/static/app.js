@@ -17,6 +17,13 @@
 // The reason of a stop is "interrupt", "speech_started", "cancelled" (either
 // server event) or "disconnected".
 //
+// Authentication: the page never puts a key in a URL. The API key typed into the
+// page (kept in sessionStorage, so for this tab only) is sent once per connect as
+// `Authorization: Bearer` to POST /v1/realtime/client_secrets, which answers a
+// short-lived client secret; the WebSocket presents that secret as the subprotocol
+// `openai-insecure-api-key.<secret>` beside `realtime`. Where the server allows
+// anonymous clients the key may stay empty.
+//
 // window.duplexqDemo exposes the page's state for tests and for the curious.
 
 import { Player } from "./player.js";
@@ -32,6 +39,8 @@ const VOICE_RMS = 0.02; // mic level above which the user is taken to be speakin
 const VOICE_QUIET_MS = 300; // quiet needed before a new voice onset
 const VOICE_WINDOW_MS = 5000; // an onset older than this did not cause a barge-in
 const SILENT_RMS = 1e-4; // output level below which playback counts as silent
+const KEY_STORAGE = "duplexq.apiKey"; // sessionStorage: this tab only, gone when it closes
+const SECRET_TTL_S = 60; // the client secret only has to last until the socket opens
 
 // -- the page ------------------------------------------------------------------------
 
@@ -98,6 +107,7 @@ class Demo {
   }
 
   bind() {
+    $("api-key").value = sessionStorage.getItem(KEY_STORAGE) || "";
     $("connect").addEventListener("click", () => {
       if (this.connecting) return;
       if (this.ws) this.disconnect();
@@ -144,11 +154,17 @@ class Demo {
     await this.ctx.resume();
     this.player = new Player(this.ctx);
 
-    const params = new URLSearchParams(location.search);
+    let secret;
+    try {
+      secret = await this.clientSecret();
+    } catch (err) {
+      this.state.errors.push({ code: err.code || "client_secret", message: String(err.message || err) });
+      this.onClosed(null, { code: 0, reason: "" }, `could not connect: ${err.message || err}`);
+      return;
+    }
     const url = new URL("/v1/realtime", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-    if (params.get("api_key")) url.searchParams.set("api_key", params.get("api_key"));
-    const ws = new WebSocket(url);
+    const ws = new WebSocket(url, ["realtime", `openai-insecure-api-key.${secret}`]);
     this.ws = ws;
     ws.onopen = () => {
       this.openedAt = performance.now();
@@ -171,11 +187,35 @@ class Demo {
     if ($("camera").checked) this.startCamera();
   }
 
+  /** A short-lived client secret, minted with the API key typed into the page. */
+  async clientSecret() {
+    const key = $("api-key").value.trim();
+    if (key) sessionStorage.setItem(KEY_STORAGE, key);
+    else sessionStorage.removeItem(KEY_STORAGE);
+    const headers = { "Content-Type": "application/json" };
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const response = await fetch("/v1/realtime/client_secrets", {
+      method: "POST",
+      headers,
+      cache: "no-store",
+      body: JSON.stringify({ expires_after: { anchor: "created_at", seconds: SECRET_TTL_S } }),
+    });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      const error = body.error || {};
+      const hint = response.status === 401 ? "; check the API key" : "";
+      const err = new Error(`${response.status} ${error.code || ""}: ${error.message || ""}${hint}`);
+      err.code = error.code;
+      throw err;
+    }
+    return body.value;
+  }
+
   disconnect() {
     if (this.ws) this.ws.close(1000, "bye");
   }
 
-  onClosed(ws, event) {
+  onClosed(ws, event, message = null) {
     if (ws !== this.ws) return;
     this.ws = null;
     this.stopPlayback("disconnected");
@@ -191,9 +231,8 @@ class Demo {
     for (const id of ["interrupt", "text", "send"]) $(id).disabled = true;
     const why = event.reason ? `${event.code}: ${event.reason}` : `${event.code}`;
     this.setStatus(
-      this.state.sessionId
-        ? `disconnected (${why})`
-        : `could not connect (${why}); is ?api_key= in the page URL right?`,
+      message ||
+        (this.state.sessionId ? `disconnected (${why})` : `could not connect (${why}); is the API key right?`),
     );
   }
 
