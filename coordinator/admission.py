@@ -37,15 +37,15 @@ ADMIT = r"""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
 if ARGV[6] == '1' and not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 'total' end
-  if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return 'key' end
+  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return {'total'} end
+  if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return {'key'} end
 end
 for i = 1, 2 do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[1])
   local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
   redis.call('PEXPIREAT', KEYS[i], last[2])
 end
-return 'ok'
+return {'ok'}
 """
 
 # KEYS: all mine_1 .. mine_n    ARGV: (op sid until_ms) for each mine_i
