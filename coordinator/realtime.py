@@ -211,9 +211,18 @@ class ServerEventTranslator:
                      "audio_start_ms": _ms(out, "audio_start_ms"),
                      "item_id": _speech_item(out)}]  # fmt: skip
         if kind is OutputKind.SPEECH_STOPPED:
-            return [{"type": "input_audio_buffer.speech_stopped", "stage": out.stage,
-                     "audio_end_ms": _ms(out, "audio_end_ms"),
-                     "item_id": _speech_item(out)}]  # fmt: skip
+            stopped = {
+                "type": "input_audio_buffer.speech_stopped",
+                "stage": out.stage,
+                "audio_end_ms": _ms(out, "audio_end_ms"),
+                "item_id": _speech_item(out),
+            }
+            if out.meta.get("reason") == "cleared":
+                return [stopped]
+            # The end of an utterance ends the user's turn: announced here, before its
+            # transcript, as the reference API does (the turn's done then says nothing).
+            return [stopped, {"type": "input_audio_buffer.committed", "stage": out.stage,
+                              "item_id": stopped["item_id"]}]  # fmt: skip
         if kind is OutputKind.ERROR:
             code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
             error = error_event(code, out.text)
@@ -245,8 +254,10 @@ class ServerEventTranslator:
 
     def _done(self, out: OutputEvent) -> list[ServerEvent]:
         if out.stage not in self.terminal:
-            # A turn the client's commit ended was announced when it was accepted.
-            if out.meta.get("turn_end") and "commit_seq" not in out.meta:
+            # A turn the client's commit ended was announced when it was accepted, one
+            # the voice activity stage ended when its speech stopped.
+            announced = "commit_seq" in out.meta or "segment" in out.meta
+            if out.meta.get("turn_end") and not announced:
                 return [{"type": "input_audio_buffer.committed", "stage": out.stage,
                          "item_id": _speech_item(out)}]  # fmt: skip
             return []

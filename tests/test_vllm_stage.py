@@ -29,6 +29,7 @@ from schemas.events import (
     InputMode,
     OutputEvent,
     OutputKind,
+    SettingsPayload,
     TextPayload,
     TokensPayload,
     decode_output,
@@ -488,5 +489,35 @@ async def test_d_a_spoken_sentence_reaches_the_thinkers_prompt(engine, settings)
         assert re.findall(r"[a-z]+", user[0].lower()) == [
             "good", "morning", "how", "are", "you", "today"
         ]  # fmt: skip
+    finally:
+        await coordinator.aclose()
+
+
+@engine_test
+async def test_e_the_sessions_instructions_replace_the_system_prompt(engine, settings):
+    backend = backend_for(engine, max_tokens=2, system_prompt="You are a stage default.")
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+
+    async def turn(text: str) -> str:
+        await coordinator.append("s1", "append_text", TextPayload(text))
+        await coordinator.commit("s1")
+        got = await read_until(coordinator, has_done)
+        return backend.records[outputs(got, OutputKind.DONE)[0].meta["request_id"]].prompt
+
+    try:
+        async with running_worker(settings, pipeline, STAGE, backend=backend):
+            await coordinator.open("s1")
+            first = await turn("hi")
+            await coordinator.append(
+                "s1", InputMode.UPDATE_SESSION, SettingsPayload(instructions="Answer in French.")
+            )
+            second = await turn("and now?")
+            await coordinator.append("s1", InputMode.UPDATE_SESSION, SettingsPayload())
+            third = await turn("back?")
+        system = "<|im_start|>system\n{}<|im_end|>\n"
+        assert first.startswith(system.format("You are a stage default."))
+        assert second.startswith(system.format("Answer in French."))
+        assert third.startswith(system.format("You are a stage default."))
     finally:
         await coordinator.aclose()

@@ -1,0 +1,249 @@
+"""Audio turns and session settings, driven through the official SDK.
+
+A voice pipeline of real stages (Silero VAD, Whisper ASR, espeak-ng TTS) with a
+thinker that repeats what it heard, behind a served coordinator; the client is
+``AsyncOpenAI().realtime.connect``. Every standard server event received is
+validated against the SDK's server-event union.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+import warnings
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+from openai.types.realtime import RealtimeServerEvent
+from pydantic import TypeAdapter
+
+from coordinator.realtime import EXTENSION_EVENTS
+from schemas.config import PipelineConfig, StageConfig
+from schemas.events import OutputEvent, OutputKind
+from tests.pipeline_helpers import fast_settings, running_worker
+from tests.realtime_helpers import serving
+from tests.speech import silence, speak
+from workers.backends.asr import AsrBackend
+from workers.backends.audio import encode_pcm
+from workers.backends.base import OutputDraft, StageContext, StageEvent
+from workers.backends.echo import EchoBackend
+from workers.backends.tts import TtsBackend
+from workers.backends.vad import VadBackend
+
+SERVER_EVENT: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
+RATE = 24_000
+PIPELINE = PipelineConfig(
+    name="voice",
+    stages=(
+        StageConfig(name="vad", backend="vad"),
+        StageConfig(name="asr", backend="asr", input="vad", to_client=True),
+        StageConfig(name="thinker", backend="echo", input="asr", to_client=True),
+        StageConfig(name="tts", backend="tts", input="thinker", to_client=True),
+    ),
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Parrot(EchoBackend):
+    """A thinker that says back what it heard, after the session's instructions."""
+
+    async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
+        if not isinstance(event, OutputEvent):
+            return
+        if event.kind is OutputKind.TRANSCRIPT:
+            said = f"You said {event.text.strip().rstrip('.')}."
+            text = f"{ctx.session.instructions} {said}" if ctx.session.instructions else said
+            yield OutputDraft(OutputKind.TEXT_DELTA, text=text)
+        elif event.kind is OutputKind.DONE:
+            yield OutputDraft(OutputKind.DONE)
+
+
+@pytest.fixture
+def settings(redis_server, key_prefix):
+    return fast_settings(redis_server.url, key_prefix, api_keys=("k1",), first_event_wait_ms=50)
+
+
+@contextlib.asynccontextmanager
+async def voice_session(settings: Any) -> AsyncIterator[Any]:
+    """A served voice pipeline and one SDK connection to it."""
+    backends = {"vad": VadBackend(), "asr": AsrBackend(), "thinker": _Parrot(),
+                "tts": TtsBackend()}  # fmt: skip
+    async with contextlib.AsyncExitStack() as stack:
+        base = await stack.enter_async_context(serving(settings, PIPELINE))
+        for name, backend in backends.items():
+            await stack.enter_async_context(
+                running_worker(settings, PIPELINE, name, backend=backend)
+            )
+        client = AsyncOpenAI(api_key="k1", websocket_base_url=f"{base}/v1")
+        stack.push_async_callback(client.close)
+        connection = await stack.enter_async_context(client.realtime.connect(model="duplexq"))
+        yield connection
+
+
+async def receive(connection: Any, seen: list[dict[str, Any]], until: Callable[..., bool],
+                  within_s: float = 40) -> list[dict[str, Any]]:  # fmt: skip
+    """Events (validated) up to the first one ``until`` accepts; all go to ``seen``."""
+    got: list[dict[str, Any]] = []
+    async with asyncio.timeout(within_s):
+        while True:
+            event = json.loads(await connection.recv_bytes())
+            if event["type"] not in EXTENSION_EVENTS:
+                SERVER_EVENT.validate_python(event)
+            seen.append(event)
+            got.append(event)
+            if until(event):
+                return got
+
+
+def _done(event: dict[str, Any]) -> bool:
+    return event["type"] == "response.done"
+
+
+def _updated(event: dict[str, Any]) -> bool:
+    return event["type"] == "session.updated"
+
+
+async def say(connection: Any, samples: np.ndarray, *, fmt: str = "pcm_s16le") -> None:
+    step = RATE * 40 // 1000
+    for i in range(0, len(samples), step):
+        data = encode_pcm(samples[i : i + step], fmt)
+        await connection.input_audio_buffer.append(audio=base64.b64encode(data).decode())
+
+
+def utterance(text: str) -> np.ndarray:
+    return np.concatenate([silence(0.3, RATE), speak(text, RATE), silence(1.2, RATE)])
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+def of_type(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == kind]
+
+
+async def test_an_audio_turn_with_server_vad_is_heard_committed_and_answered(settings):
+    seen: list[dict[str, Any]] = []
+    async with voice_session(settings) as connection:
+        await receive(connection, seen, lambda e: e["type"] == "session.created")
+        await say(connection, utterance("good morning how are you today"))
+        await receive(connection, seen, _done)
+    kinds = [e["type"] for e in seen]
+    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+             "input_audio_buffer.committed",
+             "conversation.item.input_audio_transcription.completed",
+             "response.created", "response.output_audio.delta", "response.done"]  # fmt: skip
+    positions = [kinds.index(kind) for kind in order]
+    assert positions == sorted(positions), kinds
+    assert kinds.count("input_audio_buffer.committed") == 1
+    # One item id names the utterance from its start to its transcript.
+    named = [e["item_id"] for e in seen if e["type"] in order[:4]]
+    assert len(set(named)) == 1, named
+    heard = of_type(seen, "conversation.item.input_audio_transcription.completed")[0]
+    assert words(heard["transcript"]) == ["good", "morning", "how", "are", "you", "today"]
+    response = seen[-1]["response"]
+    assert response["status"] == "completed"
+    parts = [part["type"] for item in response["output"] for part in item["content"]]
+    assert "output_audio" in parts
+
+
+async def test_with_turn_detection_off_only_the_clients_commit_ends_the_turn(settings):
+    seen: list[dict[str, Any]] = []
+    async with voice_session(settings) as connection:
+        await receive(connection, seen, lambda e: e["type"] == "session.created")
+        await connection.session.update(session={
+            "type": "realtime", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
+        await receive(connection, seen, _updated)
+        await say(connection, utterance("please book a table for two"))
+        # Speech and a long silence: with detection off nothing is announced or answered.
+        with contextlib.suppress(TimeoutError):
+            await receive(connection, seen, lambda e: True, within_s=2.0)
+        assert [e["type"] for e in seen[2:]] == []
+        await connection.input_audio_buffer.commit()
+        await receive(connection, seen, _done)
+    kinds = [e["type"] for e in seen]
+    assert not [k for k in kinds if k.startswith("input_audio_buffer.speech_")]
+    committed = of_type(seen, "input_audio_buffer.committed")
+    assert len(committed) == 1
+    heard = of_type(seen, "conversation.item.input_audio_transcription.completed")
+    assert [e["item_id"] for e in heard] == [committed[0]["item_id"]]
+    assert words(heard[0]["transcript"]) == ["please", "book", "a", "table", "for", "two"]
+    assert seen[-1]["response"]["status"] == "completed"
+
+
+@pytest.mark.parametrize("kind", ["audio/pcmu", "audio/pcma"])
+async def test_g711_input_is_heard(settings, kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import audioop  # the reference encoder (the standard library's, to 3.12)
+
+    spoken = [silence(0.3, 8000), speak("what time is it in london", 8000), silence(1.0, 8000)]
+    pcm = encode_pcm(np.concatenate(spoken), "pcm_s16le")
+    encoded = audioop.lin2ulaw(pcm, 2) if kind == "audio/pcmu" else audioop.lin2alaw(pcm, 2)
+    seen: list[dict[str, Any]] = []
+    async with voice_session(settings) as connection:
+        await receive(connection, seen, lambda e: e["type"] == "session.created")
+        await connection.session.update(session={"type": "realtime", "audio": {"input": {
+            "format": {"type": kind}, "turn_detection": None}}})  # fmt: skip
+        updated = (await receive(connection, seen, _updated))[-1]
+        assert updated["session"]["audio"]["input"]["format"] == {"type": kind}
+        for i in range(0, len(encoded), 320):  # 40 ms at 8 kHz, one byte a sample
+            chunk = base64.b64encode(encoded[i : i + 320]).decode()
+            await connection.input_audio_buffer.append(audio=chunk)
+        await connection.input_audio_buffer.commit()
+        await receive(connection, seen, _done)
+    heard = of_type(seen, "conversation.item.input_audio_transcription.completed")
+    # Telephone audio (8 kHz) is heard less well by the tiny Whisper model; the words
+    # that carry the question come through.
+    assert {"time", "london"} <= set(words(heard[0]["transcript"]))
+
+
+async def test_instructions_text_only_output_and_voice_take_effect(settings):
+    seen: list[dict[str, Any]] = []
+
+    async def turn(text: str) -> dict[str, Any]:
+        await connection.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": text}]})  # fmt: skip
+        await connection.response.create()
+        return (await receive(connection, seen, _done))[-1]["response"]
+
+    def audio_of(response_id: str) -> bytes:
+        deltas = [e["delta"] for e in of_type(seen, "response.output_audio.delta")
+                  if e["response_id"] == response_id]  # fmt: skip
+        return b"".join(base64.b64decode(d) for d in deltas)
+
+    async with voice_session(settings) as connection:
+        await receive(connection, seen, lambda e: e["type"] == "session.created")
+        await connection.session.update(
+            session={"type": "realtime", "instructions": "Gladly.", "output_modalities": ["text"]}
+        )
+        await receive(connection, seen, _updated)
+        quiet = await turn("hello there")
+        await connection.session.update(session={
+            "type": "realtime", "output_modalities": ["audio"],
+            "audio": {"output": {"voice": "marin"}}})  # fmt: skip
+        await receive(connection, seen, _updated)
+        marin = await turn("hello there")
+        await connection.session.update(session={
+            "type": "realtime", "audio": {"output": {"voice": "cedar"}}})  # fmt: skip
+        await receive(connection, seen, _updated)
+        cedar = await turn("hello there")
+    # Text only: the thinker's answer (after the instructions), no audio at all.
+    assert quiet["status"] == "completed"
+    content = [part for item in quiet["output"] for part in item["content"]]
+    assert content == [{"type": "output_text", "text": "Gladly. You said hello there."}]
+    assert not audio_of(quiet["id"])
+    # Audio again, and each voice speaks the same words differently.
+    assert marin["status"] == cedar["status"] == "completed"
+    assert audio_of(marin["id"]) and audio_of(cedar["id"])
+    assert audio_of(marin["id"]) != audio_of(cedar["id"])
+    # Typed text is not reported as a transcription of audio.
+    assert not of_type(seen, "conversation.item.input_audio_transcription.completed")
