@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas.items import item_id_for
+
 ServerEvent = dict[str, Any]
 
 CANCEL_REASONS = {"barge_in": "turn_detected"}
 """duplexq's cancel reasons as the reference API names them (default:
 ``client_cancelled``: the client asked)."""
-
-
-def item_id_for(response_id: str) -> str:
-    """The id of a response's message item (``resp_E_T_R`` -> ``item_E_T_R``)."""
-    return "item_" + response_id.removeprefix("resp_")
 
 
 class _Part:

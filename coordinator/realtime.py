@@ -37,6 +37,7 @@ from schemas.events import (
     VideoPayload,
 )
 from schemas.fence import Fence
+from schemas.items import response_id, speech_item
 from schemas.realtime import CLIENT_EVENT_TYPES, ClientEvent, SessionConfig, client_event_adapter
 
 ServerEvent = dict[str, Any]
@@ -130,10 +131,6 @@ def error_event(code: str, message: str, event_id: str | None = None) -> ServerE
     return {"type": "error", "error": error}
 
 
-def response_id(fence: Fence) -> str:
-    return f"resp_{fence.epoch}_{fence.turn_id}_{fence.response_seq}"
-
-
 class ServerEventTranslator:
     """Journal items of one session -> Realtime server events.
 
@@ -201,7 +198,7 @@ class ServerEventTranslator:
 
     def _output(self, out: OutputEvent) -> list[ServerEvent]:
         kind = out.kind
-        if kind is OutputKind.SETTINGS:
+        if kind in (OutputKind.SETTINGS, OutputKind.CONVERSATION):
             return []  # passed down the chain for the stages, not for the client
         if kind is OutputKind.NOTICE:
             notice: ServerEvent = json.loads(out.text)
@@ -209,13 +206,13 @@ class ServerEventTranslator:
         if kind is OutputKind.SPEECH_STARTED:
             return [{"type": "input_audio_buffer.speech_started", "stage": out.stage,
                      "audio_start_ms": _ms(out, "audio_start_ms"),
-                     "item_id": _speech_item(out)}]  # fmt: skip
+                     "item_id": speech_item(out)}]  # fmt: skip
         if kind is OutputKind.SPEECH_STOPPED:
             stopped = {
                 "type": "input_audio_buffer.speech_stopped",
                 "stage": out.stage,
                 "audio_end_ms": _ms(out, "audio_end_ms"),
-                "item_id": _speech_item(out),
+                "item_id": speech_item(out),
             }
             if out.meta.get("reason") == "cleared":
                 return [stopped]
@@ -233,7 +230,7 @@ class ServerEventTranslator:
         if kind is OutputKind.TRANSCRIPT and out.meta.get("role") != "assistant":
             usage = {"type": "duration", "seconds": _number(out, "audio_seconds")}
             return [{"type": "conversation.item.input_audio_transcription.completed",
-                     "item_id": _speech_item(out), "content_index": 0, "transcript": out.text,
+                     "item_id": speech_item(out), "content_index": 0, "transcript": out.text,
                      "usage": usage}]  # fmt: skip
         if kind is OutputKind.DONE:
             return self._done(out)
@@ -259,23 +256,9 @@ class ServerEventTranslator:
             announced = "commit_seq" in out.meta or "segment" in out.meta
             if out.meta.get("turn_end") and not announced:
                 return [{"type": "input_audio_buffer.committed", "stage": out.stage,
-                         "item_id": _speech_item(out)}]  # fmt: skip
+                         "item_id": speech_item(out)}]  # fmt: skip
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
-
-
-def _speech_item(out: OutputEvent) -> str:
-    """The id of the user's audio item an utterance makes: one a client commit ended is
-    named as the commit's announcement named it (``item_<commit seq>``); the voice
-    activity stage numbers the others (``segment``); a turn end with neither is named
-    by the output that carried it."""
-    commit_seq = out.meta.get("commit_seq")
-    if commit_seq is not None:
-        return f"item_{commit_seq}"
-    segment = out.meta.get("segment")
-    if segment is not None:
-        return f"item_speech_{out.fence.incarnation}_{segment}"
-    return f"item_turn_{out.stage}_{out.fence.incarnation}_{out.seq}"
 
 
 def _number(out: OutputEvent, name: str) -> float:

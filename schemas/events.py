@@ -48,6 +48,9 @@ class InputMode(StrEnum):
     UPDATE_SESSION = "update_session"
     """The client changed the session's settings (``session.update``): they apply from
     here on, in log order with the inputs around them."""
+    EDIT_CONVERSATION = "edit_conversation"
+    """The client edited the model's conversation: an assistant or system message
+    added, an item deleted, an answer cut where the user stopped hearing it."""
 
 
 class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
@@ -117,6 +120,19 @@ class SettingsPayload(msgspec.Struct, frozen=True, tag="settings"):
     """Speech starting over a response barges in on it."""
 
 
+class ConversationPayload(msgspec.Struct, frozen=True, tag="conversation"):
+    """One edit of the conversation a model stage keeps (``EDIT_CONVERSATION``).
+
+    ``add``: a message of ``role`` (``assistant`` or ``system``) with ``text``, named
+    ``item_id``; ``delete``: the item ``item_id`` leaves the conversation; ``truncate``:
+    the assistant item ``item_id`` keeps only ``text``, what the user heard of it."""
+
+    op: str
+    item_id: str
+    role: str = ""
+    text: str = ""
+
+
 Payload: TypeAlias = (
     TokensPayload
     | TextPayload
@@ -127,6 +143,7 @@ Payload: TypeAlias = (
     | ClearPayload
     | PlaybackPayload
     | SettingsPayload
+    | ConversationPayload
 )
 
 PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
@@ -139,6 +156,7 @@ PAYLOAD_FOR_MODE: dict[InputMode, type[Payload]] = {
     InputMode.CLEAR_AUDIO: ClearPayload,
     InputMode.PLAYBACK_ACK: PlaybackPayload,
     InputMode.UPDATE_SESSION: SettingsPayload,
+    InputMode.EDIT_CONVERSATION: ConversationPayload,
 }
 
 
@@ -178,6 +196,9 @@ class OutputKind(StrEnum):
     SETTINGS = "settings"
     """The session's settings passed down the chain (``data``: an encoded
     ``SettingsPayload``): not for the client, not bound to a response."""
+    CONVERSATION = "conversation"
+    """A conversation edit passed down the chain (``data``: an encoded
+    ``ConversationPayload``): not for the client, not bound to a response."""
 
 
 class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):
@@ -256,29 +277,49 @@ def decode_control(raw: bytes) -> ControlEvent:
     return _decode(_control_decoder, raw)
 
 
-_settings_decoder = msgspec.msgpack.Decoder(SettingsPayload)
+_session_decoder = msgspec.msgpack.Decoder(SettingsPayload | ConversationPayload)
+SessionPayload: TypeAlias = SettingsPayload | ConversationPayload
+"""What a session event carries: it belongs to the session, not to a response, and every
+stage passes it down the chain (``workers.actor``)."""
+_PASSED_DOWN = {
+    InputMode.UPDATE_SESSION: OutputKind.SETTINGS,
+    InputMode.EDIT_CONVERSATION: OutputKind.CONVERSATION,
+}
 
 
-def encode_settings(settings: SettingsPayload) -> bytes:
-    return _encoder.encode(settings)
+def encode_session_payload(payload: SessionPayload) -> bytes:
+    """A session payload as the ``data`` of the output that passes it on."""
+    return _encoder.encode(payload)
 
 
-def is_settings(event: InputEvent | OutputEvent) -> bool:
-    """Whether ``event`` carries session settings (an input or a stage passing them on)."""
+def passed_down_kind(payload: SessionPayload) -> OutputKind:
+    return OutputKind.SETTINGS if isinstance(payload, SettingsPayload) else OutputKind.CONVERSATION
+
+
+def carries_settings(event: InputEvent | OutputEvent) -> bool:
+    """Whether ``event`` is the session's settings (accepted, or passed on)."""
     if isinstance(event, InputEvent):
         return event.mode is InputMode.UPDATE_SESSION
     return event.kind is OutputKind.SETTINGS
 
 
-def settings_of(event: InputEvent | OutputEvent) -> SettingsPayload | None:
-    """The settings a session-settings event carries (None for any other event, and for
-    a settings output whose data does not decode)."""
+def is_session_event(event: InputEvent | OutputEvent) -> bool:
+    """Whether ``event`` is a session event: settings or a conversation edit, as accepted
+    or as a stage passes it on."""
+    if isinstance(event, InputEvent):
+        return event.mode in _PASSED_DOWN
+    return event.kind in (OutputKind.SETTINGS, OutputKind.CONVERSATION)
+
+
+def session_payload_of(event: InputEvent | OutputEvent) -> SessionPayload | None:
+    """What a session event carries (None for any other event, and for a passed-on
+    one whose data does not decode)."""
     if isinstance(event, InputEvent):
         payload = event.payload
-        return payload if isinstance(payload, SettingsPayload) else None
-    if event.kind is not OutputKind.SETTINGS:
+        return payload if isinstance(payload, SettingsPayload | ConversationPayload) else None
+    if not is_session_event(event):
         return None
     try:
-        return _settings_decoder.decode(event.data)
+        return _session_decoder.decode(event.data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None

@@ -25,6 +25,7 @@ from schemas.events import (
     CommitPayload,
     ControlEvent,
     ControlKind,
+    ConversationPayload,
     InputEvent,
     InputMode,
     OutputEvent,
@@ -124,9 +125,10 @@ def test_rebuild_takes_answers_from_accepted_outputs_and_carries_unfinished_ones
         {"role": "user", "content": "hello there"},
         {"role": "assistant", "content": "Hi you"},
     ]
-    assert history.pending == ["more"]
+    assert history.pending == [("more", "item_4")]
     assert history.turns == 1
-    assert history.close_user(5) == Produced("Partial", (12, 13))
+    carried = history.close_user(5)
+    assert carried is not None and carried[0] == Produced("Partial", (12, 13))
     assert history.messages[-1].render(str) == "more"
 
 
@@ -145,6 +147,40 @@ def test_history_merges_unanswered_turns_and_is_bounded():
         ("user", "q3"),
         ("assistant", "a3"),
     ]
+
+
+def test_client_edits_change_exactly_their_items():
+    history = ChatHistory(max_messages=32)
+    history.add_user("hello", "item_1")
+    history.add_user("are you there", "item_2")  # merged into one user message
+    history.close_user(3)
+    history.add_assistant(Produced("Yes. I am here. Ask me anything."), "item_0_1_1")
+    history.edit(ConversationPayload("truncate", "item_0_1_1", text="Yes. I am"))
+    history.edit(ConversationPayload("add", "item_x", role="system", text="Be terse."))
+    history.edit(ConversationPayload("add", "item_y", role="assistant", text="Noted."))
+    history.edit(ConversationPayload("delete", "item_1"))
+    history.edit(ConversationPayload("delete", "item_unknown"))  # changes nothing
+    assert history.chat(str) == [
+        {"role": "user", "content": "are you there"},
+        {"role": "assistant", "content": "Yes. I am"},
+        {"role": "system", "content": "Be terse."},
+        {"role": "assistant", "content": "Noted."},
+    ]
+    history.edit(ConversationPayload("delete", "item_2"))
+    assert [m["role"] for m in history.chat(str)] == ["assistant", "system", "assistant"]
+
+
+def test_edits_replayed_by_a_rebuild_give_the_same_history():
+    from schemas.events import encode_session_payload
+
+    edit = ConversationPayload("truncate", "item_0_0_0", text="Hi")
+    passed_on = OutputEvent(Fence("s1", 0, 0, 0, 0), "asr", OutputKind.CONVERSATION, 9,
+                            data=encode_session_payload(edit))  # fmt: skip
+    inputs = [_text(1, "hello"), _commit(2), passed_on]
+    outputs = [_delta(1, 2, "Hi you", (10,))]
+    history = ChatHistory(max_messages=32)
+    rebuild(history, inputs, outputs)
+    assert history.chat(str)[-1] == {"role": "assistant", "content": "Hi"}
 
 
 def test_fit_drops_oldest_exchanges_then_refuses():

@@ -58,11 +58,13 @@ from schemas.events import (
     ControlKind,
     OutputEvent,
     OutputKind,
+    SettingsPayload,
     decode_control,
     decode_event,
-    encode_settings,
-    is_settings,
-    settings_of,
+    encode_session_payload,
+    is_session_event,
+    passed_down_kind,
+    session_payload_of,
 )
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
@@ -239,7 +241,7 @@ class SessionActor:
         EVENTS_IN.inc(stage=self.ctx.stage)
         if step is Step.SKIP:
             return
-        if is_settings(event):
+        if is_session_event(event):
             await self._configure(event)
             self._advance(entry.id, event.seq)
             return
@@ -256,19 +258,24 @@ class SessionActor:
         self._advance(entry.id, event.seq)
 
     async def _configure(self, event: StageEvent) -> None:
-        """The session's settings changed: the backend sees them from the next event on,
-        and the stages downstream get them in the same place of their input.
+        """A session event: new settings (the backend sees them from the next event on)
+        or a conversation edit (a backend that keeps the conversation takes it in as
+        context, ``absorb``); either way the stages downstream get it in the same place
+        of their input.
 
-        Settings belong to the session, not to a response: an interruption neither
-        absorbs nor drops them (a settings output is applied whatever its fence), and a
-        publish refused for its fence moves them to the current one (``_repair``)."""
-        settings = settings_of(event)
-        if settings is None:
+        Session events belong to the session, not to a response: an interruption
+        neither absorbs nor drops them (a passed-on one is applied whatever its fence),
+        and a publish refused for its fence moves them to the current one (``_repair``)."""
+        payload = session_payload_of(event)
+        if payload is None:
             await self.count_drop("undecodable")
             return
-        self.ctx.session = settings
+        if isinstance(payload, SettingsPayload):
+            self.ctx.session = payload
+        elif self.backend.edits_conversation:
+            await self.backend.absorb(self.ctx, event)
         if self.ownership.feeds_stages:
-            draft = OutputDraft(OutputKind.SETTINGS, data=encode_settings(settings))
+            draft = OutputDraft(passed_down_kind(payload), data=encode_session_payload(payload))
             self._stage(draft, self.ctx.fence, event.seq)
 
     def _decode(self, entry: Entry) -> StageEvent | ControlEvent | None:
@@ -450,7 +457,7 @@ class SessionActor:
         # work still producing for that fence is stopped. Settings passed on are not
         # the response's: they go out under the current fence.
         del repaired[index]
-        kept = [e for e in events if e.kind is OutputKind.SETTINGS]
+        kept = [e for e in events if is_session_event(e)]
         if kept and current is not None:
             repaired.insert(index, (current, [msgspec.structs.replace(e, fence=current)
                                               for e in kept]))  # fmt: skip

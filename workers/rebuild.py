@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from dataplane.bus import Entry, RedisBus
 from schemas.errors import WireDecodeError
-from schemas.events import OutputEvent, decode_event, decode_output, is_settings
+from schemas.events import OutputEvent, carries_settings, decode_event, decode_output
 from workers.backends.base import RebuildWindow, StageEvent
 
 PAGE = 512
@@ -55,12 +55,13 @@ async def _backwards(bus: RedisBus, stream: str, end: str) -> AsyncIterator[Entr
 
 
 def _decode_input(entry: Entry) -> StageEvent | None:
-    """A history event for the backend: settings events are the runtime's, not its."""
+    """A history event for the backend: settings are the runtime's, not its (conversation
+    edits are the backend's: a model stage replays them)."""
     if b"e" not in entry.fields:
         return None  # a fence barrier, or a trimmed entry
     with contextlib.suppress(WireDecodeError):
         event = decode_event(entry.fields[b"e"])
-        if isinstance(event, StageEvent) and not is_settings(event):
+        if isinstance(event, StageEvent) and not carries_settings(event):
             return event
     return None
 
@@ -70,7 +71,7 @@ def _decode_output(entry: Entry) -> OutputEvent | None:
         return None
     with contextlib.suppress(WireDecodeError):
         output = decode_output(entry.fields[b"e"])
-        return None if is_settings(output) else output
+        return None if carries_settings(output) else output
     return None
 
 

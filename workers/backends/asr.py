@@ -57,6 +57,7 @@ from schemas.events import (
     TextPayload,
 )
 from schemas.fence import Fence
+from schemas.items import input_item
 from workers.backends.audio import AudioError, Samples, decode_pcm, resample
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 
@@ -194,6 +195,7 @@ class AsrBackend:
     follows_responses = False
     """Transcripts describe the input; a response reserved meanwhile does not make
     them stale."""
+    edits_conversation = False
     rebuild = RebuildWindow(inputs=REBUILD_INPUTS, outputs=0)
     """Only the utterance in progress is rebuilt (an utterance is cut by the VAD
     long before this many audio chunks)."""
@@ -346,12 +348,17 @@ class AsrBackend:
         if isinstance(event, InputEvent):
             if isinstance(event.payload, TextPayload) and event.payload.text:
                 session.heard = True
-                return [OutputDraft(OutputKind.TRANSCRIPT, text=event.payload.text, meta=_TYPED,
+                typed: dict[str, str | int | float | bool] = {**_TYPED}
+                typed["item"] = input_item(event.seq)
+                return [OutputDraft(OutputKind.TRANSCRIPT, text=event.payload.text, meta=typed,
                                     flush=True)]  # fmt: skip
             return []
         if event.kind is OutputKind.TEXT_DELTA and event.text:
             session.heard = True
-            return [OutputDraft(OutputKind.TRANSCRIPT, text=event.text, meta=_TYPED, flush=True)]
+            typed = {**_TYPED}
+            if isinstance(item := event.meta.get("item"), str):
+                typed["item"] = item
+            return [OutputDraft(OutputKind.TRANSCRIPT, text=event.text, meta=typed, flush=True)]
         if event.kind in _PASS_THROUGH:
             session.heard = session.heard or event.kind is OutputKind.TRANSCRIPT
             meta = {k: v for k, v in event.meta.items() if k != "last"}
@@ -359,7 +366,7 @@ class AsrBackend:
         return []
 
 
-_TYPED = {"typed": True}
+_TYPED: dict[str, str | int | float | bool] = {"typed": True}
 """Meta of a transcript that was typed, not heard: no transcription to report."""
 _UTTERANCE = ("segment", "commit_seq")
 """Meta naming the user's utterance: the voice activity stage's number for it, and the

@@ -114,6 +114,10 @@ class StageBackend(Protocol):
     echo): a response reserved meanwhile moves them to the current fence instead."""
     rebuild: RebuildWindow
     """How much of the session's history ``start`` needs after a takeover."""
+    edits_conversation: bool
+    """True for a model stage that keeps the conversation: conversation edits
+    (``EDIT_CONVERSATION`` inputs, or ``conversation`` outputs passed on) reach its
+    ``absorb`` (and its ``start`` history); others never see them."""
 
     async def start(
         self,

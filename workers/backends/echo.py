@@ -56,6 +56,7 @@ class EchoBackend:
     follows_responses = False
     """Echo answers each input as it comes; a response reserved meanwhile does not
     make those answers stale."""
+    edits_conversation = False
     rebuild = NO_HISTORY
     """Nothing to rebuild: every event is answered on its own."""
 

@@ -157,6 +157,7 @@ class MageVLStage:
     """Frames and text accepted before a barge-in are absorbed: context, no answer."""
     follows_responses = True
     """Outputs are responses (answers, remarks): a newer response supersedes them."""
+    edits_conversation = False
     rebuild = ALL_HISTORY
 
     def __init__(

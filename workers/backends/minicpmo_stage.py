@@ -154,6 +154,7 @@ class MiniCPMOStage:
     """Inputs accepted before a barge-in only join the prompt (``absorb``)."""
     follows_responses = True
     """Outputs answer the current response: a newer one supersedes them."""
+    edits_conversation = False
     rebuild = RebuildWindow(resumes_answers=True)
     """The whole history; an answer cut by a failover is continued, not restarted."""
 

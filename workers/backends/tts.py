@@ -163,6 +163,7 @@ class TtsBackend:
     continuous_input = False
     follows_responses = True
     """The speech belongs to the response being spoken; a newer one supersedes it."""
+    edits_conversation = False
     rebuild = NO_HISTORY
     """Nothing to rebuild: every event is answered on its own."""
 

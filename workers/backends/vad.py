@@ -89,6 +89,7 @@ from schemas.events import (
     UnitPayload,
 )
 from schemas.fence import Fence
+from schemas.items import input_item
 from workers.backends.audio import (
     AudioError,
     Samples,
@@ -288,6 +289,7 @@ class VadBackend:
     follows_responses = False
     """Speech events and utterances describe the input; a response reserved meanwhile
     does not make them stale."""
+    edits_conversation = False
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         try:
@@ -466,10 +468,12 @@ class VadBackend:
         if isinstance(event, OutputEvent):
             return [OutputDraft(event.kind, text=event.text, token_ids=event.token_ids)], False
         payload = event.payload
+        typed = {"item": input_item(event.seq)}  # the client's item, as it was announced
         if isinstance(payload, TextPayload):
-            return [OutputDraft(OutputKind.TEXT_DELTA, text=payload.text)], False
+            return [OutputDraft(OutputKind.TEXT_DELTA, text=payload.text, meta=typed)], False
         if isinstance(payload, TokensPayload):
-            return [OutputDraft(OutputKind.TEXT_DELTA, token_ids=payload.token_ids)], False
+            draft = OutputDraft(OutputKind.TEXT_DELTA, token_ids=payload.token_ids, meta=typed)
+            return [draft], False
         if isinstance(payload, CommitPayload):
             # The client's commit names the utterance it ends (its input seq), so its
             # announcement and the transcript agree on the user's item.

@@ -57,6 +57,7 @@ from typing import Any
 from dataplane.request_ids import make_request_id
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
+from schemas.items import response_item
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import SamplingSpec, VllmEngine
@@ -67,6 +68,8 @@ from workers.backends.vllm_history import (
     PromptTooLong,
     Response,
     classify,
+    edit_of,
+    item_of,
     rebuild,
     released_by,
 )
@@ -92,7 +95,7 @@ class SessionChat:
         """End a live response once: its produced text joins the history."""
         response = self.live.pop(request_id, None)
         if response is not None:
-            self.history.add_assistant(response.produced)
+            self.history.add_assistant(response.produced, response.item)
         return response
 
 
@@ -118,6 +121,8 @@ class VllmBackend:
     """Outputs are a response: a newer response supersedes them."""
     rebuild = RebuildWindow(resumes_answers=True)
     """The whole history; an answer cut by a failover is continued, not restarted."""
+    edits_conversation = True
+    """Items added, deleted or cut by the client change the history (``vllm_history``)."""
 
     def __init__(
         self,
@@ -172,22 +177,28 @@ class VllmBackend:
         chat = self._chat(ctx)
         contribution, part = classify(event)
         if contribution is Contribution.USER_PART:
-            chat.history.add_user(part)
+            chat.history.add_user(part, item_of(event))
         elif contribution is Contribution.COMMIT:
             carried = chat.history.close_user(event.seq)
-            async for draft in self._respond(ctx, chat, event.seq, carried or Produced()):
+            produced = carried[0] if carried else Produced()
+            async for draft in self._respond(ctx, chat, event.seq, produced):
                 yield draft
+        elif contribution is Contribution.EDIT:
+            chat.history.edit(edit_of(event))
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
-        """Context only: a commit closes the user's message but asks for nothing."""
+        """Context only: a commit closes the user's message but asks for nothing; a
+        client's edit of the conversation changes the history."""
         chat = self._chat(ctx)
         contribution, part = classify(event)
         if contribution is Contribution.USER_PART:
-            chat.history.add_user(part)
+            chat.history.add_user(part, item_of(event))
         elif contribution is Contribution.COMMIT:
             carried = chat.history.close_user(event.seq)
             if carried is not None:
-                chat.history.add_assistant(carried)
+                chat.history.add_assistant(*carried)
+        elif contribution is Contribution.EDIT:
+            chat.history.edit(edit_of(event))
 
     async def release(self, ctx: StageContext, fence: Fence) -> None:
         self.released.append(fence)
@@ -216,13 +227,14 @@ class VllmBackend:
             return
         max_tokens = self.options.max_tokens - len(carried.token_ids)
         if max_tokens <= 0:  # the previous owner had produced all of it
-            chat.history.add_assistant(carried)
+            chat.history.add_assistant(carried, response_item(ctx.fence))
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
             return
         prompt_ids = await self._prompt(chat, carried, ctx.session.instructions)
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
-        response = chat.live[request_id] = Response(request_id, seq, carried)
+        item = response_item(ctx.fence)
+        response = chat.live[request_id] = Response(request_id, seq, item, carried)
         record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
         spec = SamplingSpec(
             max_tokens, self.options.temperature, self.options.top_p, self.options.seed

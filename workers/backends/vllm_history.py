@@ -13,6 +13,11 @@ carries out what it returns. Theory of operation:
   that got no answer (absorbed after a barge-in) joins the next one. The
   assistant's part of a response is exactly what was produced for the user:
   a response cut short (barge-in, crash) keeps its produced prefix.
+- **Items**: every part of a message is named by the conversation item it
+  came from (``schemas.items``: the client's input, the user's utterance, the
+  response), so a client's edits (``edit``: an assistant or system message
+  added, an item deleted, an answer cut to what the user heard) change
+  exactly that item, wherever merging put it.
 - **Live responses**: a response being generated is recorded under its
   request id until it ends; whichever comes first, its natural end, its
   release (cancel) or the cancellation of the task generating it, *settles*
@@ -44,17 +49,21 @@ from typing import Literal
 from dataplane.request_ids import parse_request_id
 from schemas.events import (
     CommitPayload,
+    ConversationPayload,
+    InputEvent,
     OutputEvent,
     OutputKind,
     TextPayload,
     TokensPayload,
+    session_payload_of,
 )
 from schemas.fence import Fence
+from schemas.items import input_item, response_item, speech_item
 from workers.backends.base import StageEvent
 
 Part = str | tuple[int, ...]
 """A piece of user input: text, or token ids (decoded when a prompt is rendered)."""
-Role = Literal["user", "assistant"]
+Role = Literal["user", "assistant", "system"]
 Decode = Callable[[Sequence[int]], str]
 ChatMessages = list[dict[str, str]]
 
@@ -63,10 +72,14 @@ class Contribution(Enum):
     NOTHING = auto()
     USER_PART = auto()
     COMMIT = auto()
+    EDIT = auto()
 
 
 def classify(event: StageEvent) -> tuple[Contribution, Part]:
-    """What one event adds to a text model's context."""
+    """What one event adds to a text model's context (for an edit, see ``edit_of``)."""
+    edit = session_payload_of(event)
+    if isinstance(edit, ConversationPayload):
+        return Contribution.EDIT, ""
     if isinstance(event, OutputEvent):
         if event.kind in (OutputKind.TEXT_DELTA, OutputKind.TRANSCRIPT) and event.text:
             return Contribution.USER_PART, event.text
@@ -81,6 +94,20 @@ def classify(event: StageEvent) -> tuple[Contribution, Part]:
     if isinstance(payload, CommitPayload):
         return Contribution.COMMIT, ""
     return Contribution.NOTHING, ""
+
+
+def edit_of(event: StageEvent) -> ConversationPayload:
+    """The conversation edit an ``EDIT`` event carries."""
+    edit = session_payload_of(event)
+    assert isinstance(edit, ConversationPayload)
+    return edit
+
+
+def item_of(event: StageEvent) -> str:
+    """The conversation item a user part came from."""
+    if isinstance(event, InputEvent):
+        return input_item(event.seq)
+    return speech_item(event)
 
 
 def released_by(request_id: str, fence: Fence) -> bool:
@@ -109,6 +136,8 @@ class Produced:
 class Message:
     role: Role
     parts: list[Part]
+    items: list[str]
+    """The item each part came from (parallel to ``parts``)."""
 
     def render(self, decode: Decode) -> str:
         return "".join(p if isinstance(p, str) else decode(p) for p in self.parts)
@@ -121,6 +150,8 @@ class Response:
     request_id: str
     seq: int
     """The input seq (commit) that asked for it."""
+    item: str
+    """The response's message item (``schemas.items.response_item``)."""
     carried: Produced
     """Delivered before this request started (by a previous owner of the session)."""
     text: list[str] = field(default_factory=list)
@@ -145,31 +176,72 @@ class ChatHistory:
 
     max_messages: int
     messages: list[Message] = field(default_factory=list)
-    pending: list[Part] = field(default_factory=list)
-    """User parts since the last commit."""
+    pending: list[tuple[Part, str]] = field(default_factory=list)
+    """User parts since the last commit, with their items."""
     turns: int = 0
     """Commits seen; numbers the responses."""
-    carried: dict[int, Produced] = field(default_factory=dict)
-    """Deltas already delivered for commits not yet applied, by commit seq."""
+    carried: dict[int, tuple[Produced, str]] = field(default_factory=dict)
+    """Deltas already delivered for commits not yet applied, by commit seq (with their
+    response's item)."""
 
-    def add_user(self, part: Part) -> None:
-        self.pending.append(part)
+    def add_user(self, part: Part, item: str = "") -> None:
+        self.pending.append((part, item))
 
-    def close_user(self, seq: int) -> Produced | None:
+    def close_user(self, seq: int) -> tuple[Produced, str] | None:
         """Close the user's message at commit ``seq``.
 
         Returns what was already delivered for this commit by a previous owner
-        (continue after it), or None when nothing was.
+        (continue after it) and its response's item, or None when nothing was.
         """
         self.turns += 1
         if self.pending:
-            self._append("user", list(self.pending))
+            self._append("user", [p for p, _ in self.pending], [i for _, i in self.pending])
             self.pending.clear()
         return self.carried.pop(seq, None)
 
-    def add_assistant(self, produced: Produced) -> None:
+    def add_assistant(self, produced: Produced, item: str = "") -> None:
         if produced.text:
-            self._append("assistant", [produced.text])
+            self._append("assistant", [produced.text], [item])
+
+    def edit(self, edit: ConversationPayload) -> None:
+        """Apply a client's edit (``ConversationPayload``); an item the history does not
+        hold (never seen, or gone with the oldest messages) changes nothing."""
+        if edit.op == "add" and edit.role in ("assistant", "system") and edit.text:
+            self._append("assistant" if edit.role == "assistant" else "system",
+                         [edit.text], [edit.item_id])  # fmt: skip
+        elif edit.op == "delete":
+            self._keep(lambda item, part: None if item == edit.item_id else part)
+        elif edit.op == "truncate":
+            cut: set[str] = set()
+
+            def truncated(item: str, part: Part) -> Part | None:
+                if item != edit.item_id:
+                    return part
+                first = item not in cut
+                cut.add(item)
+                return edit.text if first else None
+
+            self._keep(truncated)
+
+    def _keep(self, change: Callable[[str, Part], Part | None]) -> None:
+        """Each part replaced by ``change(item, part)`` (None: removed); a message left
+        without parts goes, and so does a user part's joiner to a removed part."""
+        kept: list[Message] = []
+        for message in self.messages:
+            parts: list[Part] = []
+            items: list[str] = []
+            for part, item in zip(message.parts, message.items, strict=True):
+                changed = change(item, part)
+                if changed is not None and changed != "":
+                    parts.append(changed)
+                    items.append(item)
+            while parts and parts[0] == "\n":
+                del parts[0], items[0]
+            while parts and parts[-1] == "\n":
+                del parts[-1], items[-1]
+            if parts:
+                kept.append(Message(message.role, parts, items))
+        self.messages = kept
 
     def awaits_answer(self) -> bool:
         return bool(self.messages) and self.messages[-1].role == "user"
@@ -178,16 +250,20 @@ class ChatHistory:
         if self.awaits_answer():
             self.messages.pop()
 
-    def _append(self, role: Role, parts: list[Part]) -> None:
+    def _append(self, role: Role, parts: list[Part], items: list[str]) -> None:
         if self.messages and self.messages[-1].role == role:
-            joiner: list[Part] = ["\n"] if role == "user" else []
-            self.messages[-1].parts.extend(joiner + parts)
+            last = self.messages[-1]
+            if role != "assistant":
+                last.parts.append("\n")
+                last.items.append(items[0])
+            last.parts.extend(parts)
+            last.items.extend(items)
         else:
-            self.messages.append(Message(role, parts))
+            self.messages.append(Message(role, parts, items))
         excess = len(self.messages) - self.max_messages
         if excess > 0:
             del self.messages[:excess]
-        while self.messages and self.messages[0].role != "user" and len(self.messages) > 1:
+        while self.messages and self.messages[0].role == "assistant" and len(self.messages) > 1:
             del self.messages[0]
 
     def chat(self, decode: Decode, system: str | None = None, start: int = 0) -> ChatMessages:
@@ -217,18 +293,21 @@ def rebuild(
     history: ChatHistory, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
 ) -> None:
     """Replay recorded inputs and this stage's accepted outputs into ``history``."""
-    answers: dict[int, Produced] = {}
+    answers: dict[int, tuple[Produced, str]] = {}
     for output in outputs:
         if output.kind is OutputKind.TEXT_DELTA:
             delta = Produced(output.text, output.token_ids)
-            answers[output.source_seq] = answers.get(output.source_seq, Produced()) + delta
+            so_far = answers.get(output.source_seq, (Produced(), ""))[0]
+            answers[output.source_seq] = (so_far + delta, response_item(output.fence))
     last_seq = 0
     for event in inputs:
         last_seq = max(last_seq, event.seq)
         contribution, part = classify(event)
         if contribution is Contribution.USER_PART:
-            history.add_user(part)
+            history.add_user(part, item_of(event))
         elif contribution is Contribution.COMMIT:
             history.close_user(event.seq)
-            history.add_assistant(answers.get(event.seq, Produced()))
+            history.add_assistant(*answers.get(event.seq, (Produced(), "")))
+        elif contribution is Contribution.EDIT:
+            history.edit(edit_of(event))
     history.carried = {seq: done for seq, done in answers.items() if seq > last_seq}
