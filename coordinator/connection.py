@@ -40,7 +40,6 @@ from coordinator.realtime import (
     image_payload,
     invalid_event,
     parse_client_event,
-    response_id,
 )
 from coordinator.resume import replay_journal
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
@@ -63,6 +62,7 @@ from schemas.events import (
     PlaybackPayload,
     TextPayload,
 )
+from schemas.items import response_id
 from schemas.realtime import (
     AudioAppend,
     AudioClear,
