@@ -135,9 +135,10 @@ class Settings(_Model):
     """Client events one connection may send at once above ``max_events_per_s`` (the
     token bucket's size)."""
     max_outbound_events: int = Field(4096, ge=16, le=1_000_000)
-    """Server events queued for one connection's socket at most. A client that stops
-    reading fills it and is disconnected with close code 4008; its session stays
-    resumable and nothing accepted is lost (the journal holds it)."""
+    """Server events queued for one connection's socket at most (at least 4 x
+    ``read_batch``). A client that stops reading fills it and is disconnected with close
+    code 4008; its session stays resumable and nothing accepted is lost (the journal
+    holds it)."""
     journaled_error_burst: int = Field(32, ge=1, le=100_000)
     """Errors answering a connection's refused events that are written to the session's
     journal at once (and so replayed on a resume); refilled at
@@ -152,6 +153,17 @@ class Settings(_Model):
     sessions count as detached (the resume grace starts) this long after."""
     first_event_wait_ms: int = Field(300, ge=0, le=10_000)
     """How long a new connection waits for a ``session.resume`` before opening a session."""
+
+    @model_validator(mode="after")
+    def _check_outbound(self) -> Self:
+        # One journal read hands a connection up to read_batch events at once, before its
+        # socket can take any: a queue that holds fewer would drop readers that keep up.
+        if self.max_outbound_events < 4 * self.read_batch:
+            raise ValueError(
+                f"max_outbound_events ({self.max_outbound_events}) must be at least 4 x "
+                f"read_batch ({self.read_batch})"
+            )
+        return self
 
     @property
     def queue_redis_url(self) -> str:
