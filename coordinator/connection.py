@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
+from coordinator import conversation
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
 from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
@@ -70,6 +71,8 @@ from schemas.realtime import (
     BargeIn,
     ClientEvent,
     ItemCreate,
+    ItemDelete,
+    ItemTruncate,
     OutputAudioClear,
     PlaybackAck,
     ResponseCancel,
@@ -335,11 +338,8 @@ class Connection:
             # Decoding and verifying an image blocks for milliseconds: off the loop.
             frame = await asyncio.to_thread(image_payload, event.image, event.pts_ms)
             await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
-        elif isinstance(event, ItemCreate):
-            text = "".join(part.text for part in event.item.content)
-            receipt = await self._append(InputMode.APPEND_TEXT, TextPayload(text))
-            item = {"id": f"item_{receipt}", **event.item.model_dump(mode="json")}
-            await self._notice("conversation.item.created", item=item)
+        elif isinstance(event, ItemCreate | ItemDelete | ItemTruncate | PlaybackAck):
+            await self._edit_conversation(event)
         elif isinstance(event, AudioCommit | ResponseCreate):
             await self._commit(announce=isinstance(event, AudioCommit))
         elif isinstance(event, AudioClear):
@@ -360,12 +360,38 @@ class Connection:
             if isinstance(event, OutputAudioClear):
                 cleared = active or response_id(result.cancelled)
                 await self._notice("output_audio_buffer.cleared", response_id=cleared)
-        elif isinstance(event, PlaybackAck):
-            await self._append(
-                InputMode.PLAYBACK_ACK, PlaybackPayload(event.response_id, event.played_ms)
-            )
         elif isinstance(event, SessionResume):
             raise ProtocolError(ErrorCode.INVALID_EVENT, "session.resume must be the first event")
+
+    async def _edit_conversation(
+        self, event: ItemCreate | ItemDelete | ItemTruncate | PlaybackAck
+    ) -> None:
+        """A user message is a turn's input (the model may answer it); every other edit
+        changes the model's conversation (``coordinator.conversation``)."""
+        sid = self.session_id
+        if isinstance(event, ItemCreate) and event.item.role == "user":
+            payload = TextPayload(conversation.text_of(event), item_id=event.item.id or "")
+            receipt = await self._append(InputMode.APPEND_TEXT, payload)
+            notice = conversation.created_notice(event, event.item.id or f"item_{receipt}")
+            await self.coordinator.authority.journal(sid, notice)
+            return
+        if isinstance(event, PlaybackAck):
+            # Recorded as the client said it; the model's answer is cut to what was heard
+            # where this connection knows what was spoken when.
+            ack = PlaybackPayload(event.response_id, event.played_ms)
+            await self._append(InputMode.PLAYBACK_ACK, ack)
+            cut = conversation.acknowledged(event, self.translator)
+            if cut is not None:
+                await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, cut)
+            return
+        if isinstance(event, ItemCreate):
+            edit, notice = conversation.added(event)
+        elif isinstance(event, ItemDelete):
+            edit, notice = conversation.deleted(event)
+        else:
+            edit, notice = conversation.truncated(event, self.translator)
+        await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, edit)
+        await self.coordinator.authority.journal(sid, notice)
 
     async def _configure(self, event: SessionUpdate) -> None:
         """Store the merged configuration (resume and new stage owners start from it),

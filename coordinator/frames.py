@@ -24,6 +24,41 @@ CANCEL_REASONS = {"barge_in": "turn_detected"}
 ``client_cancelled``: the client asked)."""
 
 
+class Timeline:
+    """Where each piece of a response's spoken transcript begins in its audio: what a
+    listener who stopped at some millisecond heard (``conversation.item.truncate``)."""
+
+    __slots__ = ("audio_ms", "pieces")
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[float, str]] = []
+        self.audio_ms = 0.0
+
+    def said(self, text: str) -> None:
+        self.pieces.append((self.audio_ms, text))
+
+    def played(self, ms: float) -> None:
+        self.audio_ms += ms
+
+    def heard(self, end_ms: float) -> str:
+        """The transcript up to ``end_ms`` of audio: whole pieces, then the words of
+        the piece playing then, in proportion to how much of its audio was played."""
+        heard: list[str] = []
+        for index, (start, text) in enumerate(self.pieces):
+            if start >= end_ms:
+                break
+            stop = self.pieces[index + 1][0] if index + 1 < len(self.pieces) else self.audio_ms
+            if end_ms >= stop or stop <= start:
+                heard.append(text.strip())
+                continue
+            cut = text[: round(len(text) * (end_ms - start) / (stop - start))]
+            if cut != text:  # whole words only
+                cut = cut[: cut.rfind(" ")] if " " in cut else ""
+            heard.append(cut.strip())
+            break
+        return " ".join(piece for piece in heard if piece)
+
+
 class _Part:
     __slots__ = ("audio", "index", "kind", "text", "transcript")
 
@@ -54,6 +89,7 @@ class ResponseFrame:
         self.response_id = response_id
         self.item_id = item_id_for(response_id)
         self._parts: dict[str, _Part] = {}
+        self.timeline = Timeline()
 
     def _ids(self, part: _Part | None = None) -> ServerEvent:
         ids: ServerEvent = {"response_id": self.response_id, "item_id": self.item_id,
@@ -89,12 +125,15 @@ class ResponseFrame:
     def transcript(self, delta: str) -> list[ServerEvent]:
         part, events = self._part("audio")
         part.transcript += delta
+        self.timeline.said(delta)
         return [*events, {"type": "response.output_audio_transcript.delta", **self._ids(part),
                           "delta": delta}]  # fmt: skip
 
-    def audio(self, delta_b64: str) -> list[ServerEvent]:
+    def audio(self, delta_b64: str, ms: float) -> list[ServerEvent]:
+        """An audio delta of ``ms`` milliseconds."""
         part, events = self._part("audio")
         part.audio = True
+        self.timeline.played(ms)
         return [*events, {"type": "response.output_audio.delta", **self._ids(part),
                           "delta": delta_b64}]  # fmt: skip
 

@@ -18,6 +18,7 @@ import base64
 import binascii
 import io
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
 
 from coordinator import g711
-from coordinator.frames import ResponseFrame, created
+from coordinator.frames import ResponseFrame, Timeline, created
 from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import (
@@ -47,6 +48,9 @@ EXTENSION_EVENTS = frozenset({
     "session.closed", "session.failover",
 })  # fmt: skip
 """duplexq's own server events, beside the reference API's (docs/data-plane.md)."""
+
+TIMELINES_KEPT = 64
+"""Responses whose spoken timeline a connection keeps for truncation."""
 
 SEQ_STRIDE = 1024
 """``server_event_seq`` = journal seq * SEQ_STRIDE + the event's index among those one
@@ -147,6 +151,8 @@ class ServerEventTranslator:
         self.life = ResponseLife()
         self._frame_of: ResponseFrame | None = None
         """The streaming response's item and parts."""
+        self._timelines: OrderedDict[str, Timeline] = OrderedDict()
+        """The spoken timelines of the latest responses, by item id (``timeline``)."""
         self._journal_seq = 0
         self._index = 0
 
@@ -154,6 +160,14 @@ class ServerEventTranslator:
     def active(self) -> str | None:
         """The id of the response being streamed, if any."""
         return self.life.active
+
+    def timeline(self, item_id: str) -> Timeline | None:
+        """What was spoken of a response's item, and when: the streaming response's, or
+        one of the ``TIMELINES_KEPT`` latest (None: unknown to this connection)."""
+        frame = self._frame_of
+        if frame is not None and frame.item_id == item_id:
+            return frame.timeline
+        return self._timelines.get(item_id)
 
     def translate(self, item: OutputEvent | ControlEvent, journal_seq: int) -> list[ServerEvent]:
         """Server events for one journal item (``journal_seq`` 0 for a barrier)."""
@@ -193,6 +207,9 @@ class ServerEventTranslator:
             if frame is None or frame.response_id != change.response_id:
                 frame = ResponseFrame(change.response_id)
             events += frame.end(change.status, change.reason, error)
+            self._timelines[frame.item_id] = frame.timeline
+            while len(self._timelines) > TIMELINES_KEPT:
+                self._timelines.popitem(last=False)
             self._frame_of = None
         return events
 
@@ -241,7 +258,7 @@ class ServerEventTranslator:
         frame = self._frame_of
         assert frame is not None  # the response life has just made this response active
         if out.kind is OutputKind.AUDIO_DELTA:
-            return events + frame.audio(base64.b64encode(out.data).decode("ascii"))
+            return events + frame.audio(base64.b64encode(out.data).decode("ascii"), _ms_of(out))
         if out.kind is OutputKind.TRANSCRIPT:
             return events + frame.transcript(out.text)
         if out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
@@ -259,6 +276,13 @@ class ServerEventTranslator:
                          "item_id": speech_item(out)}]  # fmt: skip
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
+
+
+def _ms_of(audio: OutputEvent) -> float:
+    """How long an audio delta plays (16-bit PCM unless its meta says 32-bit float)."""
+    width = 4 if audio.meta.get("format") == "pcm_f32le" else 2
+    rate = _number(audio, "sample_rate") or 24_000
+    return len(audio.data) / width / rate * 1000
 
 
 def _number(out: OutputEvent, name: str) -> float:

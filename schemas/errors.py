@@ -62,6 +62,8 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     """A connection sent events faster than ``max_events_per_s`` allows; the event was
     refused, the connection goes on."""
+    ITEM_NOT_FOUND = "item_not_found"
+    """``conversation.item.truncate`` of an item this connection knows no spoken audio of."""
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
     """``response.cancel`` while no response is reserved or streaming (as the reference
     API answers it); ``barge_in`` is never refused."""

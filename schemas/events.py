@@ -59,6 +59,9 @@ class TokensPayload(msgspec.Struct, frozen=True, tag="tokens"):
 
 class TextPayload(msgspec.Struct, frozen=True, tag="text"):
     text: str
+    item_id: str = ""
+    """The conversation item the text is (a client's own id); empty: the server names
+    it by the input's seq (``schemas.items``)."""
 
 
 class AudioPayload(msgspec.Struct, frozen=True, tag="audio"):

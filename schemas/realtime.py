@@ -16,7 +16,9 @@ input_audio_buffer.append      base64 audio (pcm16 by default, 24 kHz)
 input_audio_buffer.commit      end of the user's turn
 input_audio_buffer.clear       drop audio since the last commit
 input_video.append             a base64 image (JPEG/PNG/WebP) [duplex]
-conversation.item.create       a user text message
+conversation.item.create       a user, assistant or system text message
+conversation.item.delete       remove an item from the model's conversation
+conversation.item.truncate     keep only what the user heard of an answer
 response.create                ask for a response now
 response.cancel                cancel the response in progress (an error if none)
 output_audio_buffer.clear      cut the response's audio off (a cancel)
@@ -100,18 +102,26 @@ class VideoAppend(_Event):
     pts_ms: int = Field(0, ge=0)
 
 
+ITEM_ID = r"^[A-Za-z0-9_.:-]{1,64}$"
+"""What an item id a client names may look like."""
+
+
 class TextContent(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["input_text", "text"]
+    type: Literal["input_text", "text", "output_text"]
     text: str = Field(max_length=_MAX_TEXT)
 
 
 class MessageItem(BaseModel):
+    """A text message for the conversation: the user's (a turn the model may answer),
+    or an assistant or system message the model takes as context."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    id: str | None = Field(None, pattern=ITEM_ID)
     type: Literal["message"] = "message"
-    role: Literal["user"] = "user"
+    role: Literal["user", "assistant", "system"] = "user"
     content: tuple[TextContent, ...] = Field(min_length=1, max_length=64)
 
 
@@ -119,6 +129,23 @@ class ItemCreate(_Event):
     type: Literal["conversation.item.create"]
     item: MessageItem
     previous_item_id: str | None = None
+
+
+class ItemDelete(_Event):
+    """Remove an item from the model's conversation."""
+
+    type: Literal["conversation.item.delete"]
+    item_id: str = Field(pattern=ITEM_ID)
+
+
+class ItemTruncate(_Event):
+    """Cut an assistant item's audio at ``audio_end_ms``: the model's conversation keeps
+    only what the user heard of it."""
+
+    type: Literal["conversation.item.truncate"]
+    item_id: str = Field(pattern=ITEM_ID)
+    content_index: int = Field(0, ge=0)
+    audio_end_ms: int = Field(ge=0)
 
 
 class ResponseCreate(_Event):
@@ -160,6 +187,8 @@ ClientEvent = Annotated[
     | AudioClear
     | VideoAppend
     | ItemCreate
+    | ItemDelete
+    | ItemTruncate
     | ResponseCreate
     | ResponseCancel
     | BargeIn
@@ -177,6 +206,8 @@ CLIENT_EVENT_TYPES = frozenset(
         "input_audio_buffer.clear",
         "input_video.append",
         "conversation.item.create",
+        "conversation.item.delete",
+        "conversation.item.truncate",
         "response.create",
         "response.cancel",
         "barge_in",

@@ -8,106 +8,33 @@ validated against the SDK's server-event union.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
-import json
 import re
 import warnings
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from openai import AsyncOpenAI
-from openai.types.realtime import RealtimeServerEvent
-from pydantic import TypeAdapter
 
-from coordinator.realtime import EXTENSION_EVENTS
-from schemas.config import PipelineConfig, StageConfig
-from schemas.events import OutputEvent, OutputKind
-from tests.pipeline_helpers import fast_settings, running_worker
-from tests.realtime_helpers import serving
 from tests.speech import silence, speak
-from workers.backends.asr import AsrBackend
-from workers.backends.audio import encode_pcm
-from workers.backends.base import OutputDraft, StageContext, StageEvent
-from workers.backends.echo import EchoBackend
-from workers.backends.tts import TtsBackend
-from workers.backends.vad import VadBackend
-
-SERVER_EVENT: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
-RATE = 24_000
-PIPELINE = PipelineConfig(
-    name="voice",
-    stages=(
-        StageConfig(name="vad", backend="vad"),
-        StageConfig(name="asr", backend="asr", input="vad", to_client=True),
-        StageConfig(name="thinker", backend="echo", input="asr", to_client=True),
-        StageConfig(name="tts", backend="tts", input="thinker", to_client=True),
-    ),
+from tests.voice_helpers import (
+    RATE,
+    is_done,
+    is_updated,
+    of_type,
+    receive,
+    voice_session,
+    voice_settings,
 )
+from workers.backends.audio import encode_pcm
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class _Parrot(EchoBackend):
-    """A thinker that says back what it heard, after the session's instructions."""
-
-    async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
-        if not isinstance(event, OutputEvent):
-            return
-        if event.kind is OutputKind.TRANSCRIPT:
-            said = f"You said {event.text.strip().rstrip('.')}."
-            text = f"{ctx.session.instructions} {said}" if ctx.session.instructions else said
-            yield OutputDraft(OutputKind.TEXT_DELTA, text=text)
-        elif event.kind is OutputKind.DONE:
-            yield OutputDraft(OutputKind.DONE)
-
-
 @pytest.fixture
 def settings(redis_server, key_prefix):
-    return fast_settings(redis_server.url, key_prefix, api_keys=("k1",), first_event_wait_ms=50)
-
-
-@contextlib.asynccontextmanager
-async def voice_session(settings: Any) -> AsyncIterator[Any]:
-    """A served voice pipeline and one SDK connection to it."""
-    backends = {"vad": VadBackend(), "asr": AsrBackend(), "thinker": _Parrot(),
-                "tts": TtsBackend()}  # fmt: skip
-    async with contextlib.AsyncExitStack() as stack:
-        base = await stack.enter_async_context(serving(settings, PIPELINE))
-        for name, backend in backends.items():
-            await stack.enter_async_context(
-                running_worker(settings, PIPELINE, name, backend=backend)
-            )
-        client = AsyncOpenAI(api_key="k1", websocket_base_url=f"{base}/v1")
-        stack.push_async_callback(client.close)
-        connection = await stack.enter_async_context(client.realtime.connect(model="duplexq"))
-        yield connection
-
-
-async def receive(connection: Any, seen: list[dict[str, Any]], until: Callable[..., bool],
-                  within_s: float = 40) -> list[dict[str, Any]]:  # fmt: skip
-    """Events (validated) up to the first one ``until`` accepts; all go to ``seen``."""
-    got: list[dict[str, Any]] = []
-    async with asyncio.timeout(within_s):
-        while True:
-            event = json.loads(await connection.recv_bytes())
-            if event["type"] not in EXTENSION_EVENTS:
-                SERVER_EVENT.validate_python(event)
-            seen.append(event)
-            got.append(event)
-            if until(event):
-                return got
-
-
-def _done(event: dict[str, Any]) -> bool:
-    return event["type"] == "response.done"
-
-
-def _updated(event: dict[str, Any]) -> bool:
-    return event["type"] == "session.updated"
+    return voice_settings(redis_server.url, key_prefix)
 
 
 async def say(connection: Any, samples: np.ndarray, *, fmt: str = "pcm_s16le") -> None:
@@ -125,16 +52,12 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z']+", text.lower())
 
 
-def of_type(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [e for e in events if e["type"] == kind]
-
-
 async def test_an_audio_turn_with_server_vad_is_heard_committed_and_answered(settings):
     seen: list[dict[str, Any]] = []
     async with voice_session(settings) as connection:
         await receive(connection, seen, lambda e: e["type"] == "session.created")
         await say(connection, utterance("good morning how are you today"))
-        await receive(connection, seen, _done)
+        await receive(connection, seen, is_done)
     kinds = [e["type"] for e in seen]
     order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
              "input_audio_buffer.committed",
@@ -160,14 +83,14 @@ async def test_with_turn_detection_off_only_the_clients_commit_ends_the_turn(set
         await receive(connection, seen, lambda e: e["type"] == "session.created")
         await connection.session.update(session={
             "type": "realtime", "audio": {"input": {"turn_detection": None}}})  # fmt: skip
-        await receive(connection, seen, _updated)
+        await receive(connection, seen, is_updated)
         await say(connection, utterance("please book a table for two"))
         # Speech and a long silence: with detection off nothing is announced or answered.
         with contextlib.suppress(TimeoutError):
             await receive(connection, seen, lambda e: True, within_s=2.0)
         assert [e["type"] for e in seen[2:]] == []
         await connection.input_audio_buffer.commit()
-        await receive(connection, seen, _done)
+        await receive(connection, seen, is_done)
     kinds = [e["type"] for e in seen]
     assert not [k for k in kinds if k.startswith("input_audio_buffer.speech_")]
     committed = of_type(seen, "input_audio_buffer.committed")
@@ -192,13 +115,13 @@ async def test_g711_input_is_heard(settings, kind):
         await receive(connection, seen, lambda e: e["type"] == "session.created")
         await connection.session.update(session={"type": "realtime", "audio": {"input": {
             "format": {"type": kind}, "turn_detection": None}}})  # fmt: skip
-        updated = (await receive(connection, seen, _updated))[-1]
+        updated = (await receive(connection, seen, is_updated))[-1]
         assert updated["session"]["audio"]["input"]["format"] == {"type": kind}
         for i in range(0, len(encoded), 320):  # 40 ms at 8 kHz, one byte a sample
             chunk = base64.b64encode(encoded[i : i + 320]).decode()
             await connection.input_audio_buffer.append(audio=chunk)
         await connection.input_audio_buffer.commit()
-        await receive(connection, seen, _done)
+        await receive(connection, seen, is_done)
     heard = of_type(seen, "conversation.item.input_audio_transcription.completed")
     # Telephone audio (8 kHz) is heard less well by the tiny Whisper model; the words
     # that carry the question come through.
@@ -213,7 +136,7 @@ async def test_instructions_text_only_output_and_voice_take_effect(settings):
             "type": "message", "role": "user",
             "content": [{"type": "input_text", "text": text}]})  # fmt: skip
         await connection.response.create()
-        return (await receive(connection, seen, _done))[-1]["response"]
+        return (await receive(connection, seen, is_done))[-1]["response"]
 
     def audio_of(response_id: str) -> bytes:
         deltas = [e["delta"] for e in of_type(seen, "response.output_audio.delta")
@@ -225,16 +148,16 @@ async def test_instructions_text_only_output_and_voice_take_effect(settings):
         await connection.session.update(
             session={"type": "realtime", "instructions": "Gladly.", "output_modalities": ["text"]}
         )
-        await receive(connection, seen, _updated)
+        await receive(connection, seen, is_updated)
         quiet = await turn("hello there")
         await connection.session.update(session={
             "type": "realtime", "output_modalities": ["audio"],
             "audio": {"output": {"voice": "marin"}}})  # fmt: skip
-        await receive(connection, seen, _updated)
+        await receive(connection, seen, is_updated)
         marin = await turn("hello there")
         await connection.session.update(session={
             "type": "realtime", "audio": {"output": {"voice": "cedar"}}})  # fmt: skip
-        await receive(connection, seen, _updated)
+        await receive(connection, seen, is_updated)
         cedar = await turn("hello there")
     # Text only: the thinker's answer (after the instructions), no audio at all.
     assert quiet["status"] == "completed"

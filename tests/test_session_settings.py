@@ -93,7 +93,9 @@ async def test_a_settings_output_of_an_older_epoch_is_applied_where_a_delta_is_d
         actor.view.advance(old.replace(epoch=old.epoch + 1))
         actor.ctx.fence = old.replace(epoch=old.epoch + 1)
         settings = SettingsPayload(voice="marin")
-        passed = OutputEvent(old, "up", OutputKind.SETTINGS, 1, data=encode_session_payload(settings))
+        passed = OutputEvent(
+            old, "up", OutputKind.SETTINGS, 1, data=encode_session_payload(settings)
+        )
         stale = OutputEvent(old, "up", OutputKind.TEXT_DELTA, 2, text="old answer")
         await actor.apply([_entry(1, passed), _entry(2, stale)])
         assert actor.ctx.session == settings

@@ -349,7 +349,7 @@ class AsrBackend:
             if isinstance(event.payload, TextPayload) and event.payload.text:
                 session.heard = True
                 typed: dict[str, str | int | float | bool] = {**_TYPED}
-                typed["item"] = input_item(event.seq)
+                typed["item"] = event.payload.item_id or input_item(event.seq)
                 return [OutputDraft(OutputKind.TRANSCRIPT, text=event.payload.text, meta=typed,
                                     flush=True)]  # fmt: skip
             return []

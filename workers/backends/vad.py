@@ -470,6 +470,7 @@ class VadBackend:
         payload = event.payload
         typed = {"item": input_item(event.seq)}  # the client's item, as it was announced
         if isinstance(payload, TextPayload):
+            typed["item"] = payload.item_id or typed["item"]
             return [OutputDraft(OutputKind.TEXT_DELTA, text=payload.text, meta=typed)], False
         if isinstance(payload, TokensPayload):
             draft = OutputDraft(OutputKind.TEXT_DELTA, token_ids=payload.token_ids, meta=typed)

@@ -106,7 +106,8 @@ def edit_of(event: StageEvent) -> ConversationPayload:
 def item_of(event: StageEvent) -> str:
     """The conversation item a user part came from."""
     if isinstance(event, InputEvent):
-        return input_item(event.seq)
+        named = event.payload.item_id if isinstance(event.payload, TextPayload) else ""
+        return named or input_item(event.seq)
     return speech_item(event)
 
 
