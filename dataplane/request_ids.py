@@ -9,6 +9,16 @@ round-trips and no id can be a prefix of another's encoding by accident. Which
 session a request belongs to is decided by decoding, never by string prefix:
 ``foo-i1`` at incarnation 0 and ``foo`` at incarnation 1 are different sessions
 whose ids merely look alike.
+
+A caller may also choose its own request ids (``"req-stage0"``) and bind them
+to a session's stages: ``check_binding`` accepts any such opaque id, and only
+refuses ids that claim the codec's prefix without decoding, or decode to
+another fence's epoch. Membership of an opaque id is then known from the
+binding that recorded it, not from the id.
+
+The data-plane reply of an append is scanned by ``data_plane_request_info``:
+the request a ``data_plane_append`` stage result names, and the stage that
+will answer it.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from schemas.fence import Fence, require_fence
@@ -82,6 +92,29 @@ def belongs_to_session(request_id: str, session_id: str) -> bool:
         return False
 
 
+def check_binding(request_id: object, fence: Fence) -> str:
+    """``request_id`` if it may be bound to a stage under ``fence``; else raise.
+
+    A codec id must decode to ``fence``'s session, incarnation and epoch; an id
+    that starts with the codec's prefix but does not decode is refused (it
+    would look like ours and belong to nobody). Any other non-empty string is a
+    caller-chosen id, accepted as it is.
+    """
+    require_fence(fence)
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+    if not request_id.startswith(PREFIX + "."):
+        return request_id
+    parts = parse_request_id(request_id)
+    if (parts.session_id, parts.incarnation, parts.epoch) != (
+        fence.session_id,
+        fence.incarnation,
+        fence.epoch,
+    ):
+        raise ValueError(f"request {request_id!r} does not belong to fence {fence}")
+    return request_id
+
+
 def _field(obj: object, name: str) -> object:
     if isinstance(obj, Mapping):
         return obj.get(name)
@@ -109,3 +142,29 @@ def extract_request_ids(stage_result: object) -> tuple[str | None, str | int | N
     if isinstance(stage_id, bool) or not isinstance(stage_id, str | int):
         stage_id = None
     return request_id, stage_id
+
+
+def data_plane_request_info(reply: object) -> tuple[str | None, str | int | None]:
+    """``(request_id, response_stage_id)`` of the append named in ``reply``.
+
+    ``reply`` carries ``stage_results``, a sequence of stage results whose
+    ``result`` is a mapping or object; the first result with a true
+    ``data_plane_append`` is read. Its ``request_id`` must be a non-empty
+    string and its ``response_stage_id`` an int or a string (a bool is
+    neither). Anything else, or no such result, gives ``(None, None)``.
+    """
+    results = _field(reply, "stage_results")
+    if not isinstance(results, Sequence) or isinstance(results, str | bytes):
+        return None, None
+    for stage_result in results:
+        result = _field(stage_result, "result")
+        if result is None or _field(result, "data_plane_append") is not True:
+            continue
+        request_id = _field(result, "request_id")
+        if not isinstance(request_id, str) or not request_id:
+            return None, None
+        stage_id = _field(result, "response_stage_id")
+        if isinstance(stage_id, bool) or not isinstance(stage_id, str | int):
+            stage_id = None
+        return request_id, stage_id
+    return None, None

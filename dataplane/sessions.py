@@ -36,10 +36,11 @@ Transitions of one session id::
 A refused call raises and changes nothing.
 
 Stage bindings: a request is reserved for a fence's ``(incarnation, epoch)``
-and a role, and bound to one or more stages. One epoch's request lives across
-its turns (a duplex request keeps appending), so bindings are keyed by
-``(incarnation, epoch)``; releasing a fence releases everything bound to its
-epoch, reporting each request id once even when several stages share it.
+and a role (or under an id the caller chose), and bound to one or more
+stages. One epoch's request lives across its turns (a duplex request keeps
+appending), so bindings are keyed by ``(incarnation, epoch)``; releasing a
+fence releases everything bound to its epoch, reporting each request id once
+even when several stages share it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-from dataplane.request_ids import make_request_id, parse_request_id
+from dataplane.request_ids import check_binding, make_request_id
 from schemas.errors import (
     FenceMismatchError,
     ResourceExhaustedError,
@@ -123,7 +124,7 @@ class Session:
     seq: int = 0
     turn_seq: int = 0
     turn_key: tuple[int, int] | None = None
-    bindings: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
+    bindings: dict[tuple[int, int], dict[str | int, str]] = field(default_factory=dict)
     reserved: dict[tuple[int, int], list[str]] = field(default_factory=dict)
 
     def bound_requests(self, fence: Fence) -> list[str]:
@@ -223,26 +224,31 @@ class SessionManager:
         session.turn_key = turn_key
         return AppendResult(session.seq, session.turn_seq, fence.turn_id)
 
-    def reserve_request(self, fence: Fence, role: str) -> str:
-        """Reserve the request id serving ``fence``'s epoch in ``role``."""
+    def reserve_request(self, fence: Fence, role: str, *, request_id: str | None = None) -> str:
+        """Reserve the request id serving ``fence``'s epoch in ``role``.
+
+        The id is derived from the fence and ``role`` unless the caller names
+        its own ``request_id`` (checked like a binding).
+        """
         session, fence = self._checked(fence)
-        request_id = make_request_id(fence, role)
+        if request_id is None:
+            request_id = make_request_id(fence, role)
+        else:
+            check_binding(request_id, fence)
         reserved = session.reserved.setdefault((fence.incarnation, fence.epoch), [])
         if request_id not in reserved:
             reserved.append(request_id)
         session.fence = fence
         return request_id
 
-    def bind_request(self, fence: Fence, stage_id: str, request_id: str) -> None:
-        """Record that ``stage_id`` serves ``fence``'s epoch through ``request_id``."""
+    def bind_request(self, fence: Fence, stage_id: str | int, request_id: str) -> None:
+        """Record that ``stage_id`` serves ``fence``'s epoch through ``request_id``.
+
+        ``request_id`` is a codec id of this epoch or an id the caller chose
+        (``dataplane.request_ids.check_binding``).
+        """
         session, fence = self._checked(fence)
-        parts = parse_request_id(request_id)
-        if (parts.session_id, parts.incarnation, parts.epoch) != (
-            fence.session_id,
-            fence.incarnation,
-            fence.epoch,
-        ):
-            raise ValueError(f"request {request_id!r} does not belong to fence {fence}")
+        check_binding(request_id, fence)
         session.bindings.setdefault((fence.incarnation, fence.epoch), {})[stage_id] = request_id
         session.fence = fence
 

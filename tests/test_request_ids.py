@@ -5,6 +5,8 @@ import pytest
 from dataplane.request_ids import (
     RequestIdParts,
     belongs_to_session,
+    check_binding,
+    data_plane_request_info,
     extract_request_ids,
     make_request_id,
     parse_request_id,
@@ -98,3 +100,36 @@ def test_non_string_id_belongs_to_nobody():
 )
 def test_extract_request_ids(result, expected):
     assert extract_request_ids(result) == expected
+
+
+def test_check_binding_accepts_caller_ids_and_own_epoch_codec_ids():
+    fence = Fence("foo", 1, 2)
+    assert check_binding("req-stage0", fence) == "req-stage0"
+    own = make_request_id(fence, "thinker")
+    assert check_binding(own, fence) == own
+
+
+@pytest.mark.parametrize(
+    "rid",
+    [
+        "",
+        "duplex-s.invalid.i.x.e.7.r.stage0",  # claims the codec prefix, does not decode
+        make_request_id(Fence("foo", 1, 3), "thinker"),  # another epoch
+        make_request_id(Fence("bar", 1, 2), "thinker"),  # another session
+    ],
+)
+def test_check_binding_refuses_ids_of_other_fences(rid):
+    with pytest.raises(ValueError):
+        check_binding(rid, Fence("foo", 1, 2))
+
+
+def test_data_plane_request_info_reads_objects_and_skips_other_results():
+    reply = SimpleNamespace(
+        stage_results=[
+            SimpleNamespace(result=SimpleNamespace(data_plane_append=False, request_id="no")),
+            {"result": {"data_plane_append": True, "request_id": "r1", "response_stage_id": "t"}},
+        ]
+    )
+    assert data_plane_request_info(reply) == ("r1", "t")
+    assert data_plane_request_info({"stage_results": "not a list"}) == (None, None)
+    assert data_plane_request_info({}) == (None, None)

@@ -289,12 +289,6 @@ class MiniCPMOStage:
         special_ids = {name: value for name, value in special.items() if value is not None}
         if token_ids.listen_token_id is None:
             log.warning("%s has no %s token: it never listens", self.options.model, LISTEN_TOKEN)
-        extension = load_extension(
-            EXTENSION,
-            token_ids=token_ids,
-            context_reserve=self.options.context_reserve,
-            tokenizer=self.engine.encode,
-        )
         stops = [token_ids.listen_token_id] if self.options.listen_stops else []
         default = self.engine.sampling_params(
             max_tokens=self.options.max_tokens,
@@ -305,6 +299,14 @@ class MiniCPMOStage:
             skip_special_tokens=True,
         )
         try:
+            # Given the defaults, the extension's sampling answer is checked at load.
+            extension = load_extension(
+                EXTENSION,
+                sampling_defaults=[default],
+                token_ids=token_ids,
+                context_reserve=self.options.context_reserve,
+                tokenizer=self.engine.encode,
+            )
             (params,) = extension.configure_sampling_params(
                 [default], self.options.runtime_config()
             )

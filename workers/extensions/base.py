@@ -17,7 +17,8 @@ Extensions are plain objects (no I/O, no asyncio). ``load_extension`` accepts
 a built-in name or an object, checks that the entry points exist and wraps it
 in ``CheckedExtension``, which verifies every answer's shape, so a faulty
 extension fails at the boundary with a clear message instead of deep inside
-the engine.
+the engine. Given the stages' sampling defaults, ``load_extension`` also
+checks the sampling answer once, so that mistake surfaces at load.
 
 Sampling parameters are generic: with vLLM installed the stage passes
 ``vllm.SamplingParams``; without it (tests, CPU-only workers) it passes
@@ -284,8 +285,20 @@ class ModelExtension(Protocol):
         """
         ...
 
-    def decide_output(self, output: object) -> Decision:
-        """Speak, listen or continue, judged from one engine output."""
+    def decide_output(
+        self,
+        output: object,
+        *,
+        segment_token_ids: Sequence[int] = (),
+        segment_metadata: Mapping[str, object] | None = None,
+    ) -> Decision:
+        """Speak, listen or continue, judged from one engine output.
+
+        ``segment_token_ids`` are the raw tokens streamed so far for the
+        current segment (unit) and ``segment_metadata`` what the engine
+        attached to them (e.g. ``special_token_ids``); the shell passes them
+        when it keeps them, an extension may ignore them.
+        """
         ...
 
 
@@ -336,7 +349,10 @@ class CheckedExtension:
         self, defaults: Sequence[SP], runtime_config: Mapping[str, Any]
     ) -> list[SP]:
         stages = len(defaults)
-        result = self._inner.configure_sampling_params(defaults, runtime_config)
+        # By keyword: an extension may declare these parameters keyword-only.
+        result = self._inner.configure_sampling_params(
+            defaults=defaults, runtime_config=runtime_config
+        )
         if not isinstance(result, list | tuple):
             raise TypeError(
                 f"{self._name}.configure_sampling_params must return a list, "
@@ -352,7 +368,8 @@ class CheckedExtension:
             if not isinstance(item, expected):
                 raise TypeError(
                     f"{self._name}.configure_sampling_params returned a "
-                    f"{type(item).__name__} for stage {stage}, expected {expected.__name__}"
+                    f"{type(item).__name__} for stage {stage}: wrong sampling parameter type, "
+                    f"expected {expected.__name__}"
                 )
         return list(result)
 
@@ -380,8 +397,21 @@ class CheckedExtension:
             )
         return plan
 
-    def decide_output(self, output: object) -> Decision:
-        decision = self._inner.decide_output(output)
+    def decide_output(
+        self,
+        output: object,
+        *,
+        segment_token_ids: Sequence[int] = (),
+        segment_metadata: Mapping[str, object] | None = None,
+    ) -> Decision:
+        # The segment arguments are forwarded only when given, so extensions
+        # that read the output alone still load and decide.
+        extra: dict[str, object] = {}
+        if segment_token_ids:
+            extra["segment_token_ids"] = tuple(segment_token_ids)
+        if segment_metadata:
+            extra["segment_metadata"] = segment_metadata
+        decision = self._inner.decide_output(output, **extra)
         if not isinstance(decision, Decision):
             raise TypeError(
                 f"{self._name}.decide_output must return a Decision, not {type(decision).__name__}"
@@ -401,7 +431,9 @@ def builtin_extensions() -> Mapping[str, Callable[..., object]]:
     return MappingProxyType({"minicpmo45": MiniCPMOExtension})
 
 
-def load_extension(obj: object, /, **options: Any) -> CheckedExtension:
+def load_extension(
+    obj: object, /, *, sampling_defaults: Sequence[object] | None = None, **options: Any
+) -> CheckedExtension:
     """A checked extension from a built-in name, a class or an instance.
 
     - ``str``: a key of ``builtin_extensions()``, built with ``options``
@@ -410,7 +442,18 @@ def load_extension(obj: object, /, **options: Any) -> CheckedExtension:
     - anything else: used as the extension itself (``options`` must be empty).
 
     Missing or non-callable entry points raise TypeError naming the method.
+    With ``sampling_defaults`` (one default per pipeline stage) the extension
+    is also asked once, with an empty runtime config, to configure them, so
+    a wrong stage count (ValueError) or sampling type (TypeError) fails when
+    the extension loads, not at its first request.
     """
+    checked = _build_extension(obj, options)
+    if sampling_defaults is not None:
+        checked.configure_sampling_params(tuple(sampling_defaults), {})
+    return checked
+
+
+def _build_extension(obj: object, options: Mapping[str, Any]) -> CheckedExtension:
     if isinstance(obj, CheckedExtension):
         if options:
             raise TypeError("options only apply when load_extension builds the extension")

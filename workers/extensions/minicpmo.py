@@ -66,8 +66,10 @@ STAGE_MAX_TOKENS_KEY = "duplex_stage_max_tokens"
 STAGE_SAMPLING_KEY = "duplex_stage_sampling_params"
 
 LISTEN_TOKEN = "<|listen|>"
-LISTEN_TOKEN_NAMES = (LISTEN_TOKEN, "listen")
+LISTEN_TOKEN_NAMES = (LISTEN_TOKEN, "listen", "listen_token_id")
 """Keys under which an output's special-token metadata may name the listen token."""
+COMPLETION_TOKEN_FIELDS = ("token_ids", "cumulative_token_ids")
+"""Where a completion carries its tokens: this step's, or all of the completion's."""
 PLACEHOLDER_TOKEN = "<unk>"
 """MiniCPM-V/o fill multimodal slots with ``<unk>`` and swap in embeddings."""
 
@@ -189,6 +191,24 @@ def _as_token_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise TypeError(f"completion token_ids must be a sequence of ints, not {value!r}")
     return tuple(int(token) for token in value)
+
+
+def _completion_of(output: object) -> object | None:
+    """The completion of this step: ``output.outputs[0]``, or ``output`` itself."""
+    outputs = _read(output, "outputs")
+    if outputs is None:
+        return output
+    if isinstance(outputs, Sequence) and not isinstance(outputs, str | bytes):
+        return outputs[0] if outputs else None
+    raise TypeError(f"output.outputs must be a sequence, not {type(outputs).__name__}")
+
+
+def _completion_tokens(completion: object) -> tuple[int, ...]:
+    for name in COMPLETION_TOKEN_FIELDS:
+        tokens = _as_token_ids(_read(completion, name))
+        if tokens:
+            return tokens
+    return ()
 
 
 def _listen_id_from(metadata: object) -> int | None:
@@ -353,7 +373,13 @@ class MiniCPMOExtension:
         return AppendPlan(mode, prompt, buffer, metadata)
 
     # --- decisions ------------------------------------------------------------
-    def decide_output(self, output: object) -> Decision:
+    def decide_output(
+        self,
+        output: object,
+        *,
+        segment_token_ids: Sequence[int] = (),
+        segment_metadata: Mapping[str, object] | None = None,
+    ) -> Decision:
         """LISTEN, SPEAK or CONTINUE for one engine output.
 
         Reads, as attributes or mapping keys:
@@ -361,36 +387,31 @@ class MiniCPMOExtension:
         - ``output.outputs[0]``, the completion of this step (when ``outputs``
           is absent, ``output`` itself is taken as the completion; when it is
           empty the decision is CONTINUE);
-        - the completion's ``token_ids`` (the tokens of this step), ``text``,
-          ``stop_reason`` and ``finish_reason``;
-        - ``special_token_ids``, a name -> id mapping, on the output first and
-          then on the completion; the listen id is under ``<|listen|>`` or
-          ``listen``, falling back to ``MiniCPMOTokenIds.listen_token_id``.
+        - the completion's ``token_ids`` (or, when it has none,
+          ``cumulative_token_ids``), ``text``, ``stop_reason`` and
+          ``finish_reason``;
+        - the listen token id, from the first ``special_token_ids`` mapping
+          found on the output, in the output's ``multimodal_output``, in
+          ``segment_metadata`` or on the completion, under ``<|listen|>``,
+          ``listen`` or ``listen_token_id``; failing those,
+          ``MiniCPMOTokenIds.listen_token_id``;
+        - ``segment_token_ids``: the raw tokens the shell streamed for the
+          current segment, read alongside the completion's own.
 
-        LISTEN needs the listen id among the completion's own token ids, or a
-        stop reason equal to that id or to the listen token's name. Any other
-        token history the output carries (prompt or cumulative ids on the
-        outer object) is never consulted: a listen token from an earlier step
-        must not end this one. The listen token is removed from a LISTEN
-        decision's token ids and text; the rest is content spoken before it.
+        LISTEN needs the listen id among those tokens, or a stop reason equal
+        to that id or to the listen token's name. Token history kept on the
+        outer output object (prompt, or ``token_ids`` / ``cumulative_token_ids``
+        of the whole request) is never consulted: a listen token from an
+        earlier segment must not end this one. The listen token is removed
+        from a LISTEN decision's token ids and text; the rest is content
+        spoken before it. A LISTEN decision's metadata says
+        ``duplex_native_decision: "listen"`` and ``model_listen: True``.
         """
-        outputs = _read(output, "outputs")
-        if outputs is None:
-            completion: object = output
-        elif isinstance(outputs, Sequence) and not isinstance(outputs, str | bytes):
-            if not outputs:
-                return Decision(DecisionAction.CONTINUE, metadata={"reason": "no completion"})
-            completion = outputs[0]
-        else:
-            raise TypeError(f"output.outputs must be a sequence, not {type(outputs).__name__}")
-
-        listen_id = _listen_id_from(_read(output, "special_token_ids"))
-        if listen_id is None:
-            listen_id = _listen_id_from(_read(completion, "special_token_ids"))
-        if listen_id is None:
-            listen_id = self.token_ids.listen_token_id
-
-        token_ids = _as_token_ids(_read(completion, "token_ids"))
+        completion = _completion_of(output)
+        if completion is None:
+            return Decision(DecisionAction.CONTINUE, metadata={"reason": "no completion"})
+        listen_id = self._listen_id(output, completion, segment_metadata)
+        token_ids = _completion_tokens(completion)
         text = _read(completion, "text") or ""
         stop_reason = _read(completion, "stop_reason")
         metadata: dict[str, object] = {}
@@ -400,8 +421,11 @@ class MiniCPMOExtension:
         if stop_reason is not None:
             metadata["stop_reason"] = stop_reason
 
-        if listen_id is not None and self._is_listen(listen_id, token_ids, stop_reason):
-            metadata["listen_token_id"] = listen_id
+        seen = token_ids + tuple(int(token) for token in segment_token_ids)
+        if listen_id is not None and self._is_listen(listen_id, seen, stop_reason):
+            metadata.update(
+                listen_token_id=listen_id, duplex_native_decision="listen", model_listen=True
+            )
             spoken = tuple(token for token in token_ids if token != listen_id)
             return Decision(
                 DecisionAction.LISTEN, spoken, str(text).replace(LISTEN_TOKEN, ""), metadata
@@ -409,6 +433,21 @@ class MiniCPMOExtension:
         if token_ids or text:
             return Decision(DecisionAction.SPEAK, token_ids, str(text), metadata)
         return Decision(DecisionAction.CONTINUE, (), "", metadata)
+
+    def _listen_id(
+        self, output: object, completion: object, segment_metadata: Mapping[str, object] | None
+    ) -> int | None:
+        """The listen token id (see ``decide_output`` for where it is looked up)."""
+        for source in (
+            _read(output, "special_token_ids"),
+            _read(_read(output, "multimodal_output"), "special_token_ids"),
+            _read(segment_metadata, "special_token_ids"),
+            _read(completion, "special_token_ids"),
+        ):
+            listen_id = _listen_id_from(source)
+            if listen_id is not None:
+                return listen_id
+        return self.token_ids.listen_token_id
 
     @staticmethod
     def _is_listen(listen_id: int, token_ids: tuple[int, ...], stop_reason: object) -> bool:
