@@ -5,7 +5,7 @@ Per client:
 - **lost**: an acknowledged attempt, not cancelled before its answer was
   complete, some of whose four blocks never arrived;
 - **stale**: a block delivered after the client received a cancel
-  acknowledgement (``response.cancelled``) for a later epoch than the block's;
+  acknowledgement (``duplexq.response.cancelled``) for a later epoch than the block's;
 - **duplicated**: a block delivered more than once;
 - **out of order**: a block delivered after a block that comes later (a later
   position of the same attempt, or any block of a later attempt);

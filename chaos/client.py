@@ -2,12 +2,12 @@
 
 A client opens a session, then sends its inputs one at a time
 (``conversation.item.create`` + ``response.create``) and waits for each answer's
-four blocks. Some answers it cancels (``response.cancel`` or ``barge_in``) after
+four blocks. Some answers it cancels (``response.cancel`` or ``duplexq.barge_in``) after
 0..3 blocks or right at the answer's end, and then waits for the cancel's
 acknowledgement before going on. When its socket dies (a fault, or the nemesis
 dropping it on purpose) it resumes on any coordinator with its token and the
-last ``server_event_seq`` it processed, and goes on; events are processed once
-each, by ``server_event_seq``, whichever socket brought them. It never guesses:
+last ``duplexq.seq`` it processed, and goes on; events are processed once
+each, by ``duplexq.seq``, whichever socket brought them. It never guesses:
 an attempt the server did not acknowledge before the socket died is sent again
 as a new attempt.
 """
@@ -162,7 +162,7 @@ class ChaosClient:
     async def _cancel(self) -> None:
         self._cancel_from = self.cancel_epoch
         self._cancel_refused = False
-        kind = self.rng.choice(("response.cancel", "barge_in"))
+        kind = self.rng.choice(("response.cancel", "duplexq.barge_in"))
         self._record("cancel_sent", attempt=self.outstanding, detail=kind)
         await self._send({"type": kind})
 
@@ -184,7 +184,7 @@ class ChaosClient:
         created = json.loads(await asyncio.wait_for(socket.recv(), 10))
         if created.get("type") != "session.created":
             raise SessionDead(f"open: {created}")
-        self.token = created["resume_token"]
+        self.token = created["duplexq"]["resume_token"]
         self.session_id = str(created.get("session", {}).get("id", ""))
         self._adopt(socket)
 
@@ -201,8 +201,8 @@ class ChaosClient:
             try:
                 socket = await self._connect()
                 await socket.send(json.dumps({
-                    "type": "session.resume", "resume_token": self.token,
-                    "last_received_server_event_seq": self.last_seq,
+                    "type": "duplexq.session.resume", "resume_token": self.token,
+                    "last_received_seq": self.last_seq,
                 }))  # fmt: skip
                 answer = json.loads(await asyncio.wait_for(socket.recv(), 10))
             except (OSError, TimeoutError, ConnectionError, websockets.WebSocketException):
@@ -210,7 +210,7 @@ class ChaosClient:
                     raise SessionDead("no coordinator took the resume") from None
                 await asyncio.sleep(0.2)
                 continue
-            if answer.get("type") != "session.resumed":
+            if answer.get("type") != "duplexq.session.resumed":
                 self._record("resume", detail=f"refused: {answer}")
                 raise SessionDead(f"resume refused: {answer}")
             self.token = answer["resume_token"]
@@ -218,7 +218,7 @@ class ChaosClient:
             self._adopt(socket)
             # What the session sent while the socket was down comes first: wait for it,
             # so that whether the outstanding attempt was accepted is known.
-            await self._caught_up(int(answer.get("server_event_seq", 0)), deadline)
+            await self._caught_up(int(_own(answer).get("seq", 0)), deadline)
             return
 
     async def _caught_up(self, seq: int, deadline: float) -> None:
@@ -279,18 +279,19 @@ class ChaosClient:
         self._record("ack", attempt=attempt)
 
     def _handle(self, event: dict[str, Any]) -> None:
-        seq = int(event.get("server_event_seq", 0))
+        own = _own(event)
+        seq = int(own.get("seq", 0))
         if seq:
             if seq <= self.last_seq:
                 return  # already processed (brought again by a resume)
             self.last_seq = seq
             self._changed.set()
         kind = event.get("type")
-        epoch = int((event.get("fence") or {}).get("epoch", -1))
+        epoch = int((own.get("fence") or {}).get("epoch", -1))
         self.epoch = max(self.epoch, epoch)
         if kind == "conversation.item.created":
             self._on_created(event)
-        elif kind == "response.cancelled":
+        elif kind == "duplexq.response.cancelled":
             self.cancel_epoch = max(self.cancel_epoch, epoch)
             self._record("cancelled", epoch=epoch)
         elif kind == "response.output_text.delta":
@@ -308,5 +309,11 @@ class ChaosClient:
                 self._record("cancel_refused")
             else:
                 self._record("error", detail=code)
-        elif kind == "session.closed":
+        elif kind == "duplexq.session.closed":
             self._record("dead", detail="session closed")
+
+
+def _own(event: dict[str, Any]) -> dict[str, Any]:
+    """duplexq's own fields of a server event (its ``duplexq`` object)."""
+    own = event.get("duplexq")
+    return own if isinstance(own, dict) else {}

@@ -8,9 +8,9 @@ connection may cost (event rate, pending input, journaled errors, queued
 server events) is bounded: ``coordinator.limits``, ``coordinator.outbound``.
 
 On disconnect the session is kept for ``resume_grace_s``; a
-``session.resume`` with its token (on this or any coordinator process, with
+``duplexq.session.resume`` with its token (on this or any coordinator process, with
 the API key that opened the session) receives a new token and every journal
-event after ``last_received_server_event_seq``, then live ones. Which
+event after ``last_received_seq``, then live ones. Which
 connection serves a session is agreed on in Redis (``coordinator.attachments``):
 a resume while the old socket still looks open closes the old one, and a
 session whose client never comes back is closed after the grace period by its
@@ -35,12 +35,14 @@ from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
 from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
 from coordinator.realtime import (
+    EXTENSION,
     ServerEventTranslator,
     audio_payload,
     error_event,
     image_payload,
     invalid_event,
     parse_client_event,
+    server_seq,
 )
 from coordinator.resume import replay_journal
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
@@ -135,7 +137,7 @@ class Connection:
         self._last_seq = 0
         """The session-log seq of this connection's latest append."""
         self._sent_seq = 0
-        """The ``server_event_seq`` of the latest journaled event sent to the socket."""
+        """The ``duplexq.seq`` of the latest journaled event sent to the socket."""
         self.min_epoch = 0
         self._ended_up_to = 0
         """The highest response_seq whose response this connection has seen end (or has
@@ -158,8 +160,8 @@ class Connection:
             await self.socket.send_json(
                 {
                     **error_event(exc.code.value, exc.message),
-                    "server_event_seq": 0,
                     "event_id": _fresh_event_id(),
+                    EXTENSION: {"seq": 0},
                 }
             )
             # 1013 (try again later) for a capacity limit, such as ``session_limit``.
@@ -226,11 +228,10 @@ class Connection:
             {
                 "type": "session.created",
                 "event_id": _fresh_event_id(),
-                "server_event_seq": 0,
                 "session": session_object(self.session_id, self.config),
-                "resume_token": token,
-                "fence": {"incarnation": fence.incarnation, "epoch": 0, "turn_id": 0,
-                          "response_seq": 0},
+                EXTENSION: {"seq": 0, "resume_token": token,
+                            "fence": {"incarnation": fence.incarnation, "epoch": 0,
+                                      "turn_id": 0, "response_seq": 0}},
             }
         )  # fmt: skip
         if self.identity.session:
@@ -259,16 +260,16 @@ class Connection:
         await bus.set_durable(bus.keys.resume(token_hash(token)), session_id, 86_400)
         await bus.client.delete(bus.keys.resume(token_hash(event.resume_token)))
         replay = await replay_journal(
-            self.coordinator, session_id, event.last_received_server_event_seq, self.translator
+            self.coordinator, session_id, event.last_received_seq, self.translator
         )
         await self.hub.register(self)
         self.coordinator.reader.attach(
             session_id, replay.follower.view.current, follower=replay.follower
         )
         await self.socket.send_json(
-            {"type": "session.resumed", "event_id": _fresh_event_id(),
-             "server_event_seq": replay.last_seq,
-             "session": {"id": session_id}, "resume_token": token}
+            {"type": "duplexq.session.resumed", "event_id": _fresh_event_id(),
+             "session": {"id": session_id}, "resume_token": token,
+             EXTENSION: {"seq": replay.last_seq}}
         )  # fmt: skip
         for server_event in replay.events:
             await self.socket.send_json(server_event)
@@ -353,7 +354,8 @@ class Connection:
                 )
             started = time.monotonic()
             active = self.translator.active
-            result = await self.coordinator.cancel(sid, reason=event.type)
+            reason = event.type.removeprefix("duplexq.")  # barge_in, response.cancel, ...
+            result = await self.coordinator.cancel(sid, reason=reason)
             self.min_epoch = max(self.min_epoch, result.fence.epoch)
             self._ended_up_to = max(self._ended_up_to, result.fence.response_seq)
             CANCEL_ACK.observe(time.monotonic() - started)
@@ -361,7 +363,9 @@ class Connection:
                 cleared = active or response_id(result.cancelled)
                 await self._notice("output_audio_buffer.cleared", response_id=cleared)
         elif isinstance(event, SessionResume):
-            raise ProtocolError(ErrorCode.INVALID_EVENT, "session.resume must be the first event")
+            raise ProtocolError(
+                ErrorCode.INVALID_EVENT, "duplexq.session.resume must be the first event"
+            )
 
     async def _edit_conversation(
         self, event: ItemCreate | ItemDelete | ItemTruncate | PlaybackAck
@@ -462,7 +466,7 @@ class Connection:
         while True:
             item = await self.outbound.get()
             if isinstance(item, dict):  # not journaled: placed after what was sent
-                fields = {"event_id": _fresh_event_id(), "server_event_seq": self._sent_seq}
+                fields = {"event_id": _fresh_event_id(), EXTENSION: {"seq": self._sent_seq}}
                 await self.socket.send_json({**item, **fields})
                 continue
             delivery = item
@@ -478,10 +482,10 @@ class Connection:
                 self._turn_ended = None
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 if server_event["type"] == "response.done":
-                    ended = int(server_event["fence"]["response_seq"])
+                    ended = int(server_event[EXTENSION]["fence"]["response_seq"])
                     self._ended_up_to = max(self._ended_up_to, ended)
                 await self.socket.send_json(server_event)
-                self._sent_seq = server_event["server_event_seq"]
+                self._sent_seq = server_seq(server_event)
 
 
 def _fresh_event_id() -> str:

@@ -2,7 +2,7 @@
 
 ``conversation.item.create`` with role ``assistant`` or ``system``,
 ``conversation.item.delete`` and ``conversation.item.truncate`` (and duplexq's
-``playback.ack``, the same cut named by response) become one
+``duplexq.playback.ack``, the same cut named by response) become one
 ``EDIT_CONVERSATION`` input each. The runtime passes it down the chain to the
 model stage, whose history then holds exactly what the client says the
 conversation is (``workers.backends.vllm_history``).
@@ -75,7 +75,7 @@ def truncated(
 def acknowledged(
     event: PlaybackAck, translator: ServerEventTranslator
 ) -> ConversationPayload | None:
-    """The cut a ``playback.ack`` makes: the response's item, to what was heard (None
+    """The cut a ``duplexq.playback.ack`` makes: the response's item, to what was heard (None
     when this connection knows nothing spoken of it)."""
     item_id = item_id_for(event.response_id)
     timeline = translator.timeline(item_id)

@@ -5,11 +5,12 @@
 session journal (stage outputs, coordinator notices, fence barriers) into
 Realtime server events. It is deterministic: replaying the same journal
 through a fresh translator gives the same events, which is what makes
-``session.resume`` exact.
+``duplexq.session.resume`` exact.
 
-Every server event carries ``server_event_seq`` (derived from the journal's
-per-session counter, see SEQ_STRIDE) and the fence fields a client needs (``epoch``, ``turn_id``,
-``response_seq``, ``incarnation``); a client never sets a fence.
+Every server event carries, in its ``duplexq`` object (``EXTENSION``), ``seq``
+(derived from the journal's per-session counter, see SEQ_STRIDE) and the
+``fence`` a client needs (``epoch``, ``turn_id``, ``response_seq``,
+``incarnation``); a client never sets a fence.
 """
 
 from __future__ import annotations
@@ -43,17 +44,22 @@ from schemas.realtime import CLIENT_EVENT_TYPES, ClientEvent, SessionConfig, cli
 
 ServerEvent = dict[str, Any]
 
+EXTENSION = "duplexq"
+"""duplexq's namespace: its own events are named ``duplexq.*`` and its own fields on any
+server event live in one ``duplexq`` object (``seq``, ``fence``, ``stage``), so no
+standard name is ever used with another meaning (docs/realtime.md)."""
+
 EXTENSION_EVENTS = frozenset({
-    "response.cancelled", "response.listen", "response.speak", "session.resumed",
-    "session.closed", "session.failover",
+    "duplexq.response.cancelled", "duplexq.response.listen", "duplexq.response.speak",
+    "duplexq.session.resumed", "duplexq.session.closed", "duplexq.session.failover",
 })  # fmt: skip
-"""duplexq's own server events, beside the reference API's (docs/data-plane.md)."""
+"""duplexq's own server events, beside the reference API's."""
 
 TIMELINES_KEPT = 64
 """Responses whose spoken timeline a connection keeps for truncation."""
 
 SEQ_STRIDE = 1024
-"""``server_event_seq`` = journal seq * SEQ_STRIDE + the event's index among those one
+"""A server event's ``duplexq.seq`` = journal seq * SEQ_STRIDE + the event's index among those one
 journal entry (and the barriers after it) produced: strictly increasing, not dense."""
 
 _AUDIO_FORMATS = {"pcm16": ("pcm_s16le", 2), "pcm_f32le": ("pcm_f32le", 4)}
@@ -176,20 +182,22 @@ class ServerEventTranslator:
             self._journal_seq, self._index = journal_seq, 0
         for event in events:
             seq = self._journal_seq * SEQ_STRIDE + self._index
-            event["server_event_seq"] = seq
             event["event_id"] = f"event_{seq}"  # unique in the session, the same on a resume
+            own = event.setdefault(EXTENSION, {})
+            own["seq"] = seq
+            own.setdefault("fence", _fence_fields(item.fence))
             self._index += 1
-            event.setdefault("fence", _fence_fields(item.fence))
         return events
 
     def _control(self, control: ControlEvent) -> list[ServerEvent]:
         if control.kind is ControlKind.CANCEL:
             ended = self._frame(self.life.step(Item.CANCEL, reason=control.reason))
-            return [*ended, {"type": "response.cancelled", "reason": control.reason}]
+            return [*ended, {"type": "duplexq.response.cancelled", "reason": control.reason}]
         if control.kind is ControlKind.CLOSE:
-            return [*self._frame(self.life.step(Item.CLOSE)), {"type": "session.closed"}]
+            closed = {"type": "duplexq.session.closed"}
+            return [*self._frame(self.life.step(Item.CLOSE)), closed]
         if control.kind is ControlKind.FAILOVER:
-            return [{"type": "session.failover", "stage": control.reason}]
+            return [{"type": "duplexq.session.failover", "stage": control.reason}]
         return []
 
     def _frame(
@@ -221,22 +229,23 @@ class ServerEventTranslator:
             notice: ServerEvent = json.loads(out.text)
             return [notice]
         if kind is OutputKind.SPEECH_STARTED:
-            return [{"type": "input_audio_buffer.speech_started", "stage": out.stage,
+            return [{"type": "input_audio_buffer.speech_started",
                      "audio_start_ms": _ms(out, "audio_start_ms"),
-                     "item_id": speech_item(out)}]  # fmt: skip
+                     "item_id": speech_item(out), EXTENSION: {"stage": out.stage}}]  # fmt: skip
         if kind is OutputKind.SPEECH_STOPPED:
             stopped = {
                 "type": "input_audio_buffer.speech_stopped",
-                "stage": out.stage,
                 "audio_end_ms": _ms(out, "audio_end_ms"),
                 "item_id": speech_item(out),
+                EXTENSION: {"stage": out.stage},
             }
             if out.meta.get("reason") == "cleared":
                 return [stopped]
             # The end of an utterance ends the user's turn: announced here, before its
             # transcript, as the reference API does (the turn's done then says nothing).
-            return [stopped, {"type": "input_audio_buffer.committed", "stage": out.stage,
-                              "item_id": stopped["item_id"]}]  # fmt: skip
+            return [stopped, {"type": "input_audio_buffer.committed",
+                              "item_id": stopped["item_id"],
+                              EXTENSION: {"stage": out.stage}}]  # fmt: skip
         if kind is OutputKind.ERROR:
             code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
             error = error_event(code, out.text)
@@ -262,7 +271,7 @@ class ServerEventTranslator:
         if out.kind is OutputKind.TRANSCRIPT:
             return events + frame.transcript(out.text)
         if out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
-            return [*events, {"type": f"response.{out.kind.value}",
+            return [*events, {"type": f"duplexq.response.{out.kind.value}",
                               "response_id": frame.response_id}]  # fmt: skip
         return events + frame.text(out.text)
 
@@ -272,8 +281,8 @@ class ServerEventTranslator:
             # the voice activity stage ended when its speech stopped.
             announced = "commit_seq" in out.meta or "segment" in out.meta
             if out.meta.get("turn_end") and not announced:
-                return [{"type": "input_audio_buffer.committed", "stage": out.stage,
-                         "item_id": speech_item(out)}]  # fmt: skip
+                return [{"type": "input_audio_buffer.committed", "item_id": speech_item(out),
+                         EXTENSION: {"stage": out.stage}}]  # fmt: skip
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
 
@@ -301,3 +310,9 @@ def _fence_fields(fence: Fence) -> dict[str, int]:
         "turn_id": fence.turn_id,
         "response_seq": fence.response_seq,
     }
+
+
+def server_seq(event: ServerEvent) -> int:
+    """A server event's place in its session (``duplexq.seq``; 0 for one sent before any)."""
+    own = event.get(EXTENSION)
+    return int(own.get("seq", 0)) if isinstance(own, dict) else 0

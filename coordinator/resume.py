@@ -1,8 +1,8 @@
-"""Rebuilding a client's view of a session from its journal, for ``session.resume``.
+"""Rebuilding a client's view of a session from its journal, for ``duplexq.session.resume``.
 
 The journal is read from its start, page by page, through a fresh
 ``JournalFollower`` and ``ServerEventTranslator``, exactly as a live reader
-would have judged and framed it; events up to ``last_received_server_event_seq``
+would have judged and framed it; events up to ``last_received_seq``
 only rebuild state, the rest are returned for sending. Before the first entry
 the client has not received, the view's epoch floor is raised to the session's
 current epoch: nothing of an epoch cancelled meanwhile is sent, while an older
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from coordinator.output_reader import JournalFollower
-from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator
+from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator, server_seq
 from coordinator.service import Coordinator
 from dataplane.bus import Entry
 from schemas.errors import AuthError, ErrorCode
@@ -59,11 +59,11 @@ async def replay_journal(
             if delivery is None:
                 continue
             for event in translator.translate(delivery.event, delivery.server_event_seq):
-                if event["server_event_seq"] > after_seq:
+                if server_seq(event) > after_seq:
                     events.append(event)
     if not floored:
         follower.view.raise_epoch_floor(current.epoch)
-    last_seq = events[-1]["server_event_seq"] if events else after_seq
+    last_seq = server_seq(events[-1]) if events else after_seq
     return Replay(events, follower, follower.cursor, last_seq)
 
 

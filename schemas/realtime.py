@@ -6,26 +6,26 @@ configuration are ignored (so existing Realtime clients that send options we
 do not implement still work); unknown *event types* are refused with
 ``unknown_event``.
 
-Client events:
+Client events (duplexq's own are named ``duplexq.*``):
 
-=============================  =============================================
-type                           effect
-=============================  =============================================
-session.update                 change the session (GA or beta shape, merged)
-input_audio_buffer.append      base64 audio (pcm16 by default, 24 kHz)
-input_audio_buffer.commit      end of the user's turn
-input_audio_buffer.clear       drop audio since the last commit
-input_video.append             a base64 image (JPEG/PNG/WebP) [duplex]
-conversation.item.create       a user, assistant or system text message
-conversation.item.delete       remove an item from the model's conversation
-conversation.item.truncate     keep only what the user heard of an answer
-response.create                ask for a response now
-response.cancel                cancel the response in progress (an error if none)
-output_audio_buffer.clear      cut the response's audio off (a cancel)
-barge_in                       the user interrupts (cancels, never refused) [duplex]
-playback.ack                   how far the client played a response [duplex]
-session.resume                 reattach with a resume token [duplex]
-=============================  =============================================
+==================================  ==========================================
+type                                effect
+==================================  ==========================================
+session.update                      change the session (GA or beta shape, merged)
+input_audio_buffer.append           base64 audio (pcm16 24 kHz by default; G.711)
+input_audio_buffer.commit           end of the user's turn
+input_audio_buffer.clear            drop audio since the last commit
+conversation.item.create            a user, assistant or system text message
+conversation.item.delete            remove an item from the model's conversation
+conversation.item.truncate          keep only what the user heard of an answer
+response.create                     ask for a response now
+response.cancel                     cancel the response in progress (an error if none)
+output_audio_buffer.clear           cut the response's audio off (a cancel)
+duplexq.input_video.append          a base64 image (JPEG/PNG/WebP)
+duplexq.barge_in                    the user interrupts (cancels, never refused)
+duplexq.playback.ack                how far the client played a response
+duplexq.session.resume              reattach with a resume token (the first event)
+==================================  ==========================================
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class AudioClear(_Event):
 
 
 class VideoAppend(_Event):
-    type: Literal["input_video.append"]
+    type: Literal["duplexq.input_video.append"]
     image: str = Field(max_length=_MAX_B64)
     pts_ms: int = Field(0, ge=0)
 
@@ -159,7 +159,7 @@ class ResponseCancel(_Event):
 
 
 class BargeIn(_Event):
-    type: Literal["barge_in"]
+    type: Literal["duplexq.barge_in"]
 
 
 class OutputAudioClear(_Event):
@@ -169,15 +169,16 @@ class OutputAudioClear(_Event):
 
 
 class PlaybackAck(_Event):
-    type: Literal["playback.ack"]
+    type: Literal["duplexq.playback.ack"]
     response_id: str = Field("", max_length=128)
     played_ms: int = Field(ge=0)
 
 
 class SessionResume(_Event):
-    type: Literal["session.resume"]
+    type: Literal["duplexq.session.resume"]
     resume_token: str = Field(min_length=16, max_length=256)
-    last_received_server_event_seq: int = Field(0, ge=0)
+    last_received_seq: int = Field(0, ge=0)
+    """The ``duplexq.seq`` of the last server event the client received."""
 
 
 ClientEvent = Annotated[
@@ -204,16 +205,16 @@ CLIENT_EVENT_TYPES = frozenset(
         "input_audio_buffer.append",
         "input_audio_buffer.commit",
         "input_audio_buffer.clear",
-        "input_video.append",
+        "duplexq.input_video.append",
         "conversation.item.create",
         "conversation.item.delete",
         "conversation.item.truncate",
         "response.create",
         "response.cancel",
-        "barge_in",
+        "duplexq.barge_in",
         "output_audio_buffer.clear",
-        "playback.ack",
-        "session.resume",
+        "duplexq.playback.ack",
+        "duplexq.session.resume",
     )
 )
 

@@ -108,7 +108,7 @@ async def test_zero_byte_events_count_against_the_input_budget(settings):
             await client.send({"type": "input_audio_buffer.clear", "event_id": f"c{n}"})
         assert await _errors_for(client, {"c8"}) == {"c8": "input_backpressure"}
         # Control goes before data: a barge-in is counted, never refused.
-        await client.send({"type": "barge_in", "event_id": "b"})
+        await client.send({"type": "duplexq.barge_in", "event_id": "b"})
         await client.send({"type": "input_audio_buffer.clear", "event_id": "c9"})
         assert await _errors_for(client, {"c9"}) == {"c9": "input_backpressure"}
         # Once a worker applies what was accepted, the session takes input again.
@@ -232,7 +232,10 @@ async def test_a_client_that_stops_reading_is_disconnected_and_resumes_losing_no
         ) as ws:  # fmt: skip
             client = Client(ws)
             created = await client.recv()
-            token, meta = created["resume_token"], keys.session(created["session"]["id"]).meta
+            token, meta = (
+                created["duplexq"]["resume_token"],
+                keys.session(created["session"]["id"]).meta,
+            )
             for answer in parts:
                 content = [{"type": "input_text", "text": part} for part in answer]
                 await client.send({"type": "conversation.item.create", "item": {
@@ -251,13 +254,13 @@ async def test_a_client_that_stops_reading_is_disconnected_and_resumes_losing_no
                     await client.recv()
             assert closed.value.rcvd is None or closed.value.rcvd.code == OVERFLOW_CLOSE_CODE
         # The client resumes (on a coordinator whose queues hold its backlog).
-        last = max(e["server_event_seq"] for e in client.seen)
+        last = max(e["duplexq"]["seq"] for e in client.seen)
         async with Client.connect(other) as resumed:
             await resumed.send(
-                {"type": "session.resume", "resume_token": token,
-                 "last_received_server_event_seq": last}
+                {"type": "duplexq.session.resume", "resume_token": token,
+                 "last_received_seq": last}
             )  # fmt: skip
-            assert (await resumed.recv())["type"] == "session.resumed"
+            assert (await resumed.recv())["type"] == "duplexq.session.resumed"
             # Inputs the closed connection had not read were never accepted; one more
             # turn marks the end of what was.
             for event in text_turn("<end>"):
@@ -287,20 +290,20 @@ async def test_errors_beyond_the_journaling_allowance_go_to_the_socket_only(sett
     pipeline = echo_pipeline("echo")
     async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
         async with Client.connect(base) as client:
-            token = (await client.recv())["resume_token"]
+            token = (await client.recv())["duplexq"]["resume_token"]
             for n in range(10):
                 await client.send({"type": "no.such.event", "event_id": f"e{n}"})
             answered = await _errors_for(client, {f"e{n}" for n in range(10)})
             assert set(answered.values()) == {"unknown_event"}
-            seqs = [e["server_event_seq"] for e in client.seen if e["type"] == "error"]
+            seqs = [e["duplexq"]["seq"] for e in client.seen if e["type"] == "error"]
             assert seqs == sorted(seqs)  # a socket-only error sits after what was sent
         # A resume replays the journal: only the first three errors are in it.
         async with Client.connect(base) as resumed:
             await resumed.send(
-                {"type": "session.resume", "resume_token": token,
-                 "last_received_server_event_seq": 0}
+                {"type": "duplexq.session.resume", "resume_token": token,
+                 "last_received_seq": 0}
             )  # fmt: skip
-            assert (await resumed.recv())["type"] == "session.resumed"
+            assert (await resumed.recv())["type"] == "duplexq.session.resumed"
             for event in text_turn("after errors"):
                 await resumed.send(event)
             events = await until_completed(resumed)

@@ -364,11 +364,11 @@ async def test_a_a_unit_becomes_placeholders_and_the_model_speaks(engine, settin
 
             # The client sees speech as a response: speak, then text deltas.
             assert client_events(got) == (
-                ["response.created", "response.speak"]
+                ["response.created", "duplexq.response.speak"]
                 + ["response.output_item.added", "conversation.item.added"]
                 + ["response.content_part.added"]
                 + ["response.output_text.delta"] * 4
-                + ["response.speak"]
+                + ["duplexq.response.speak"]
                 + ["response.output_text.delta"] * 4
                 + ["response.output_text.done", "response.content_part.done"]
                 + ["response.output_item.done", "conversation.item.done", "response.done"]
@@ -407,7 +407,11 @@ async def test_b_a_forced_listen_reaches_the_client_as_response_listen(engine, s
             unk = token("<unk>")
             expected = (unk,) * (RESERVE + 12) + (listen,) + (unk,) * 12
             assert backend.last_prompts["s1"] == expected
-            assert client_events(got) == ["response.created", "response.listen", "response.listen"]
+            assert client_events(got) == [
+                "response.created",
+                "duplexq.response.listen",
+                "duplexq.response.listen",
+            ]
             assert not engine.live_request_ids()
     finally:
         await coordinator.aclose()

@@ -221,7 +221,7 @@ async def test_the_coordinator_verifies_images_off_the_loop(redis_server, key_pr
     ):
         await client.recv()
         async with loop_gaps() as gaps:
-            await client.send({"type": "input_video.append", "image": _png()})
+            await client.send({"type": "duplexq.input_video.append", "image": _png()})
             for event in text_turn("after the frame"):
                 await client.send(event)
             events = await until_completed(client)

@@ -37,7 +37,7 @@ async def test_text_turn(settings):
     ):
         created = await client.recv()
         assert created["type"] == "session.created"
-        assert len(created["resume_token"]) >= 22  # >= 128 bits
+        assert len(created["duplexq"]["resume_token"]) >= 22  # >= 128 bits
         for event in text_turn("hello there"):
             await client.send(event)
         events = await until_completed(client)
@@ -45,9 +45,9 @@ async def test_text_turn(settings):
     assert "response.created" in types
     assert _deltas(events) == "hello there"
     assert events[-1]["response"]["status"] == "completed"
-    seqs = [e["server_event_seq"] for e in events]
+    seqs = [e["duplexq"]["seq"] for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    assert all({"epoch", "turn_id", "response_seq"} <= set(e["fence"]) for e in events)
+    assert all({"epoch", "turn_id", "response_seq"} <= set(e["duplexq"]["fence"]) for e in events)
 
 
 async def test_auth_is_required(settings):
@@ -95,12 +95,15 @@ BAD_INPUTS = [
     ),
     (
         json.dumps(
-            {"type": "input_video.append", "image": base64.b64encode(b"not an image").decode()}
+            {
+                "type": "duplexq.input_video.append",
+                "image": base64.b64encode(b"not an image").decode(),
+            }
         ),
         "invalid_image",
     ),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 40_000}), "event_too_large"),
-    (json.dumps({"type": "session.resume", "resume_token": "x" * 20}), "invalid_event"),
+    (json.dumps({"type": "duplexq.session.resume", "resume_token": "x" * 20}), "invalid_event"),
 ]
 
 
@@ -125,7 +128,7 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
         await client.send({"type": "no.such.event", "event_id": "evt_client_7"})
         assert (await client.until("error"))[-1]["error"]["event_id"] == "evt_client_7"
         # A valid image is accepted; the session still answers.
-        await client.send({"type": "input_video.append", "image": _png()})
+        await client.send({"type": "duplexq.input_video.append", "image": _png()})
         for event in text_turn("still here"):
             await client.send(event)
         second = await until_completed(client)
@@ -135,7 +138,7 @@ async def test_bad_inputs_get_errors_and_the_session_survives(settings):
     assert all(ids) and len(set(ids)) == len(ids)
 
 
-@pytest.mark.parametrize("how", ["response.cancel", "barge_in"])
+@pytest.mark.parametrize("how", ["response.cancel", "duplexq.barge_in"])
 async def test_cancel_leaves_no_stale_delta_after_the_acknowledgement(settings, how):
     pipeline = streaming_echo()
     async with (
@@ -150,12 +153,12 @@ async def test_cancel_leaves_no_stale_delta_after_the_acknowledgement(settings, 
         await client.send({"type": how})
         cancelled = await client.until("response.done")
         assert cancelled[-1]["response"]["status"] == "cancelled"
-        old_epoch = cancelled[-1]["fence"]["epoch"] - 1
+        old_epoch = cancelled[-1]["duplexq"]["fence"]["epoch"] - 1
         for event in text_turn("next"):
             await client.send(event)
         after = await until_completed(client)
     deltas = [e for e in after if e["type"] == "response.output_text.delta"]
-    assert all(e["fence"]["epoch"] > old_epoch for e in deltas)
+    assert all(e["duplexq"]["fence"]["epoch"] > old_epoch for e in deltas)
     assert _deltas(after) == "next"
     assert after[-1]["response"]["status"] == "completed"
 
@@ -204,7 +207,7 @@ async def test_resume_on_another_coordinator_process(settings, tmp_path):
     try:
         async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
             async with Client.connect(base) as first:
-                token = (await first.recv())["resume_token"]
+                token = (await first.recv())["duplexq"]["resume_token"]
                 for event in text_turn("one"):
                     await first.send(event)
                 await until_completed(first)
@@ -213,14 +216,14 @@ async def test_resume_on_another_coordinator_process(settings, tmp_path):
                 await first.until("response.output_text.delta")
             # The connection dropped mid-response; the client resumes elsewhere.
             seen = first.seen
-            last = max(e["server_event_seq"] for e in seen)
+            last = max(e["duplexq"]["seq"] for e in seen)
             other_base = await _wait_http(port)
             async with Client.connect(other_base) as second:
                 await second.send(
-                    {"type": "session.resume", "resume_token": token,
-                     "last_received_server_event_seq": last}
+                    {"type": "duplexq.session.resume", "resume_token": token,
+                     "last_received_seq": last}
                 )  # fmt: skip
-                assert (await second.recv())["type"] == "session.resumed"
+                assert (await second.recv())["type"] == "duplexq.session.resumed"
                 rest = await until_completed(second)
                 for event in text_turn("three"):
                     await second.send(event)
@@ -229,7 +232,7 @@ async def test_resume_on_another_coordinator_process(settings, tmp_path):
         other.terminate()
         other.wait(10)
     events = seen + rest
-    seqs = [e["server_event_seq"] for e in events]
+    seqs = [e["duplexq"]["seq"] for e in events]
     assert seqs == sorted(set(seqs)), "an event was repeated or reordered"
     assert _deltas(events) == "one" + "the second turn streams in chunks" + "three"
     completed = [
@@ -254,7 +257,7 @@ async def _wait_http(port: int) -> str:
 
 async def test_resume_with_a_wrong_token_is_refused(settings):
     async with serving(settings, echo_pipeline("echo")) as base, Client.connect(base) as client:
-        await client.send({"type": "session.resume", "resume_token": "x" * 43})
+        await client.send({"type": "duplexq.session.resume", "resume_token": "x" * 43})
         event = await client.recv()
         assert event["type"] == "error"
         assert event["error"]["code"] == "resume_failed"
@@ -287,8 +290,8 @@ async def test_health_readiness_and_metrics(settings):
                 await client.send(event)
             await until_completed(client)
             # The answer is over: a response.cancel would be refused; a barge-in never is.
-            await client.send({"type": "barge_in"})
-            await client.until("response.cancelled")
+            await client.send({"type": "duplexq.barge_in"})
+            await client.until("duplexq.response.cancelled")
             status, metrics = await asyncio.to_thread(_get, f"{http}/metrics")
     assert status == 200
     for name in (
@@ -340,7 +343,12 @@ async def test_detached_session_is_closed_after_the_grace_period(settings):
                     await asyncio.sleep(0.05)
             # A late resume gets a clear error.
             async with Client.connect(base) as late:
-                await late.send({"type": "session.resume", "resume_token": created["resume_token"]})
+                await late.send(
+                    {
+                        "type": "duplexq.session.resume",
+                        "resume_token": created["duplexq"]["resume_token"],
+                    }
+                )
                 event = await late.recv()
             assert event["error"]["code"] == "resume_failed"
         finally:
@@ -402,8 +410,11 @@ async def test_an_audio_turn_with_server_vad(settings):
     assert len(heard) == 1 and "morning" in heard[0].lower()
     # The server VAD's turn end reserved the model's turn, as a client commit does.
     committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
-    assert (committed["fence"]["turn_id"], committed["fence"]["response_seq"]) == (1, 1)
+    assert (
+        committed["duplexq"]["fence"]["turn_id"],
+        committed["duplexq"]["fence"]["response_seq"],
+    ) == (1, 1)
     answer = next(e for e in events if e["type"] == "response.output_audio.delta")
-    assert answer["fence"]["turn_id"] == 1
+    assert answer["duplexq"]["fence"]["turn_id"] == 1
     audio_out = [e for e in events if e["type"] == "response.output_audio.delta"]
     assert sum(len(base64.b64decode(e["delta"])) for e in audio_out) > 24_000  # > 0.5 s

@@ -273,7 +273,7 @@ async def test_session_updates_merge_in_the_ga_shape_and_survive_a_resume(sdk_se
         async with Client.connect(base) as first:
             created = await first.recv()
             SERVER_EVENT.validate_python(created)
-            token = created["resume_token"]
+            token = created["duplexq"]["resume_token"]
             await first.send({"type": "session.update", "session": {
                 "type": "realtime", "instructions": "Be brief.",
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
@@ -287,11 +287,11 @@ async def test_session_updates_merge_in_the_ga_shape_and_survive_a_resume(sdk_se
             await first.send({"type": "session.update", "event_id": "evt_bad", "session": {
                 "type": "realtime", "audio": {"input": {"format": {"rate": 1}}}}})  # fmt: skip
             bad = (await first.until("error"))[-1]
-            last = max(e["server_event_seq"] for e in first.seen)
+            last = max(e["duplexq"]["seq"] for e in first.seen)
         async with Client.connect(base) as second:
-            await second.send({"type": "session.resume", "resume_token": token,
-                               "last_received_server_event_seq": last})  # fmt: skip
-            assert (await second.recv())["type"] == "session.resumed"
+            await second.send({"type": "duplexq.session.resume", "resume_token": token,
+                               "last_received_seq": last})  # fmt: skip
+            assert (await second.recv())["type"] == "duplexq.session.resumed"
             # Beta-shaped updates are still read; the resumed session kept the rest. (A
             # 16 kHz input is duplexq's own: the reference API takes 24 kHz PCM only.)
             await second.send({"type": "session.update", "session": {
@@ -338,8 +338,8 @@ async def test_cancelling_nothing_is_an_error_and_clearing_audio_cancels(sdk_set
         # The answer ended: a cancel now finds nothing again; a barge-in is never refused.
         await client.send({"type": "response.cancel"})
         again = (await client.until("error"))[-1]
-        await client.send({"type": "barge_in"})
-        await client.until("response.cancelled")
+        await client.send({"type": "duplexq.barge_in"})
+        await client.until("duplexq.response.cancelled")
     assert refused["error"]["code"] == "response_cancel_not_active"
     assert refused["error"]["event_id"] == "evt_c1"
     assert [d["response"]["status"] for d in done] == ["cancelled"]

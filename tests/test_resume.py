@@ -50,7 +50,7 @@ def settings(redis_server, key_prefix):
 
 async def resume(client: Client, token: str, last: int = 0) -> dict:
     await client.send(
-        {"type": "session.resume", "resume_token": token, "last_received_server_event_seq": last}
+        {"type": "duplexq.session.resume", "resume_token": token, "last_received_seq": last}
     )
     return await client.recv()
 
@@ -85,7 +85,9 @@ async def test_a_resume_while_the_old_socket_is_open_replaces_it(settings, same)
     ):
         created = await old.recv()
         async with Client.connect(base_b) as new:
-            assert (await resume(new, created["resume_token"]))["type"] == "session.resumed"
+            assert (await resume(new, created["duplexq"]["resume_token"]))[
+                "type"
+            ] == "duplexq.session.resumed"
             assert await closed_with(old) == 4000
             # Longer than the grace period after the old socket went: still served.
             await asyncio.sleep(settings.resume_grace_s + 1)
@@ -99,17 +101,19 @@ async def test_a_resume_while_the_old_socket_is_open_replaces_it(settings, same)
 async def test_the_resume_token_rotates_and_is_bound_to_the_api_key(settings):
     async with serving(settings, ECHO) as base:
         async with Client.connect(base, key="k1") as first:
-            token = (await first.recv())["resume_token"]
+            token = (await first.recv())["duplexq"]["resume_token"]
         async with Client.connect(base, key="k2") as thief:
             refused = await resume(thief, token)
         assert refused["error"]["code"] == "resume_failed"
         async with Client.connect(base, key="k1") as second:
             resumed = await resume(second, token)
-        assert resumed["type"] == "session.resumed" and resumed["resume_token"] != token
+        assert resumed["type"] == "duplexq.session.resumed" and resumed["resume_token"] != token
         async with Client.connect(base, key="k1") as replayer:
             assert (await resume(replayer, token))["error"]["code"] == "resume_failed"
         async with Client.connect(base, key="k1") as third:
-            assert (await resume(third, resumed["resume_token"]))["type"] == "session.resumed"
+            assert (await resume(third, resumed["resume_token"]))[
+                "type"
+            ] == "duplexq.session.resumed"
 
 
 # -- the client whose coordinator died -------------------------------------------------

@@ -3,17 +3,17 @@
 // The page speaks the Realtime protocol of /v1/realtime:
 //   mic  -> AudioWorklet (ScriptProcessor fallback) -> 24 kHz mono PCM16
 //        -> input_audio_buffer.append every 40 ms
-//   cam  -> one JPEG a second -> input_video.append
+//   cam  -> one JPEG a second -> duplexq.input_video.append
 //   response.output_audio.delta -> Web Audio buffers scheduled back to back
 //
 // Interruptions silence playback at once: every scheduled source is stopped
 // and disconnected and queued audio is dropped, on a local Interrupt (which
-// also sends barge_in), on input_audio_buffer.speech_started, on
-// response.cancelled and on response.done with status "cancelled". Audio of an
+// also sends duplexq.barge_in), on input_audio_buffer.speech_started, on
+// duplexq.response.cancelled and on response.done with status "cancelled". Audio of an
 // interrupted response that still arrives is dropped by its response id and by
 // its fence epoch (every server event carries the fence it was produced
 // under), so nothing of it is heard. When a response's playback ends
-// (completed or cut) the page sends playback.ack with how much was heard.
+// (completed or cut) the page sends duplexq.playback.ack with how much was heard.
 // The reason of a stop is "interrupt", "speech_started", "cancelled" (either
 // server event) or "disconnected".
 //
@@ -64,13 +64,13 @@ function newState() {
     outputLevel: 0, // RMS of the audio being played, read every tick
     lastStopReason: null,
     stops: [], // {reason, responseIds, cutChunks, at}
-    acks: [], // playback.ack sent
+    acks: [], // duplexq.playback.ack sent
     responses: {}, // id -> per-response playback record
     latencies: {
       firstDeltaMs: null, // turn end -> first response delta (latest turn)
       firstAudioMs: null, // turn end -> first response audio (latest turn)
       bargeInSilenceMs: null, // trigger -> output measured silent (latest)
-      bargeInCancelledMs: null, // trigger -> response.cancelled (latest)
+      bargeInCancelledMs: null, // trigger -> duplexq.response.cancelled (latest)
       bargeInVoiceMs: null, // the user's voice (mic level) -> silence (latest server barge-in)
       turns: [],
       bargeIns: [],
@@ -368,7 +368,7 @@ class Demo {
       async (blob) => {
         if (!blob) return;
         const image = bytesToBase64(new Uint8Array(await blob.arrayBuffer()));
-        if (this.send({ type: "input_video.append", image, pts_ms: pts })) {
+        if (this.send({ type: "duplexq.input_video.append", image, pts_ms: pts })) {
           this.state.videoFramesSent++;
         }
       },
@@ -390,9 +390,9 @@ class Demo {
 
   interrupt() {
     const at = performance.now();
-    // barge_in goes first so that the playback.ack of the cut response (sent by the
+    // duplexq.barge_in goes first so that the duplexq.playback.ack of the cut response (sent by the
     // stop below, in this same task) reaches the session after the interruption.
-    this.send({ type: "barge_in" });
+    this.send({ type: "duplexq.barge_in" });
     this.bargeIn("interrupt", at);
     // Audio produced before the server applies the barge-in is stale.
     this.minEpoch = Math.max(this.minEpoch, this.epoch + 1);
@@ -405,7 +405,8 @@ class Demo {
     state.events.push(event.type);
     if (state.events.length > MAX_EVENTS) state.events.splice(0, state.events.length - MAX_EVENTS);
     state.eventCounts[event.type] = (state.eventCounts[event.type] || 0) + 1;
-    if (event.fence) this.epoch = Math.max(this.epoch, event.fence.epoch);
+    const fence = own(event).fence;
+    if (fence) this.epoch = Math.max(this.epoch, fence.epoch);
     const handler = HANDLERS[event.type];
     if (handler) handler.call(this, event);
   }
@@ -414,7 +415,7 @@ class Demo {
     Object.assign(this.state, {
       connected: true,
       sessionId: event.session.id,
-      resumeToken: event.resume_token,
+      resumeToken: own(event).resume_token,
     });
     for (const id of ["interrupt", "text", "send"]) $(id).disabled = false;
     if (!this.mic) this.setStatus(`session ${event.session.id}`);
@@ -427,12 +428,13 @@ class Demo {
   }
 
   onSpeech(event) {
-    this.speechStage = this.speechStage || event.stage;
-    if (event.stage !== this.speechStage) return; // the same utterance seen by a later stage
+    const stage = own(event).stage;
+    this.speechStage = this.speechStage || stage;
+    if (stage !== this.speechStage) return; // the same utterance seen by a later stage
     const at = performance.now();
     if (event.type === "input_audio_buffer.speech_started") {
       this.pendingTurn = null;
-      this.minEpoch = Math.max(this.minEpoch, event.fence.epoch);
+      this.minEpoch = Math.max(this.minEpoch, own(event).fence.epoch);
       this.bargeIn("speech_started", at);
       this.setStatus("hearing you…");
     } else {
@@ -450,14 +452,14 @@ class Demo {
   }
 
   onResponseCreated(event) {
-    this.response(event.response.id, event.fence.epoch);
+    this.response(event.response.id, own(event).fence.epoch);
     if (this.pendingBargeIn && this.pendingBargeIn.trigger !== "interrupt") {
       this.pendingBargeIn = null; // speech that did not interrupt (no cancel will come)
     }
   }
 
   onDelta(event) {
-    const epoch = event.fence.epoch;
+    const epoch = own(event).fence.epoch;
     const record = this.response(event.response_id, epoch);
     if (record.cancelSeen) record.receivedAfterCancel++;
     const audio = event.type === "response.output_audio.delta";
@@ -483,13 +485,13 @@ class Demo {
   }
 
   onResponseDone(event) {
-    const record = this.response(event.response.id, event.fence.epoch);
+    const record = this.response(event.response.id, own(event).fence.epoch);
     record.status = event.response.status;
-    if (record.status === "cancelled") this.serverCancelled(event.fence.epoch);
+    if (record.status === "cancelled") this.serverCancelled(own(event).fence.epoch);
   }
 
   onCancelled(event) {
-    this.serverCancelled(event.fence.epoch);
+    this.serverCancelled(own(event).fence.epoch);
     this.setStatus("interrupted");
   }
 
@@ -619,7 +621,7 @@ class Demo {
     if (record.acked || !record.received) return;
     record.acked = true;
     const played_ms = Math.round(record.playedSec * 1000);
-    if (this.send({ type: "playback.ack", response_id: record.id, played_ms })) {
+    if (this.send({ type: "duplexq.playback.ack", response_id: record.id, played_ms })) {
       this.state.acks.push({ response_id: record.id, played_ms, stopped: record.stopped });
     }
   }
@@ -697,7 +699,12 @@ const HANDLERS = {
   "response.output_audio.delta": Demo.prototype.onDelta,
   "response.output_audio_transcript.delta": Demo.prototype.onDelta,
   "response.done": Demo.prototype.onResponseDone,
-  "response.cancelled": Demo.prototype.onCancelled,
+  "duplexq.response.cancelled": Demo.prototype.onCancelled,
 };
+
+/** duplexq's own fields of a server event (its ``duplexq`` object: seq, fence, stage). */
+function own(event) {
+  return event.duplexq || {};
+}
 
 new Demo();
