@@ -1,36 +1,45 @@
 """Mage-VL: the proactive video adapter (rolling windows, cognition gate).
 
-Theory of operation, per session:
+By default it behaves as the upstream Mage-VL adapter (vLLM-Omni); the
+differences are opt-in options, listed at the end. Per session:
 
-- Video input becomes a ``VisualWindow`` kept in a rolling deque of
-  ``max_windows``. Text input sets the pending query (a newer one replaces
-  an older one that has not been answered yet).
-- Once ``window_size`` windows exist, every new window schedules a *gate
-  task*: the injected ``gate(session_id, windows, None)`` looks at the latest
-  ``window_size`` windows and answers whether something worth saying happened.
-  Gate tasks belong to the session; at most ``max_gate_tasks`` run at once (a
-  window arriving past that skips its evaluation: the next window covers the
-  same moment). A gate failure is logged and the session goes on.
-- A positive decision is queued (at most ``max_pending_decisions``, oldest
-  dropped) unless its ``event_id`` was already accepted in this session: each
-  event speaks at most once. The runtime is then notified.
-- ``should_respond`` is true when a query is pending and windows exist (the
-  gate's opinion does not matter for an explicit question), or when a
-  decision is queued and no response of this adapter is streaming: a
-  proactive remark never cuts into a response, while a new question does.
-- ``respond`` takes one job, the query first, else the oldest decision.
-  With ``generate`` injected it streams ``generate(windows, cue)`` where the
-  cue is the query string or the ``GateDecision`` and ``windows`` is the whole
-  retained history. Without it, a decision's text is spoken as is, and a
-  query is put to the gate (``gate(session_id, windows, query)``) whose text
-  is the answer; a silent gate gives an empty response (``done`` only, with
-  ``answered=False``). Decisions that could not be voiced (no text, no
-  ``generate``) are dropped when they arrive.
-- Barge-in clears the query and queued decisions and cancels gate tasks;
-  windows and the set of spoken events stay.
-- ``flush`` waits for gate tasks so decisions they produce are queued;
+- Video input becomes a ``VisualWindow`` kept in a list of at most
+  ``max_windows`` (oldest dropped). Text input, stripped, becomes the pending
+  query (a newer one replaces an unanswered older one); blank text is
+  ignored.
+- Once ``window_size`` windows exist and a ``gate`` is injected, every new
+  window schedules a *gate task*: ``gate(session_id, windows)``, sync or
+  async, judges the latest ``window_size`` windows as they are when the task
+  runs. A failure is logged and the session goes on.
+- A positive decision whose ``event_id`` was not accepted before in this
+  session takes the session's one decision slot: a newer decision replaces
+  an older one not yet spoken (the latest wins). Each event is accepted at
+  most once. The runtime is then notified.
+- ``should_respond``: a query is pending and windows exist, or a positive
+  decision waits in the slot.
+- ``respond`` takes the pending query and the decision together (both are
+  cleared) and makes one ``generate(session_id, windows, query, decision)``
+  call over the last ``window_size`` windows. ``generate`` may return text,
+  an ``OutputChunk``, a list or a (sync or async) iterator of those, or an
+  awaitable of any of them; plain pieces become deltas of
+  ``output_modality`` (text as text deltas, bytes as audio deltas). Without
+  ``generate``, a decision's text is spoken as is (a text delta) and a query
+  alone gives an empty response.
+- Barge-in clears the query and the decision slot and cancels the gate
+  tasks; windows and the accepted events stay.
+- ``flush`` waits for gate tasks so the decision they produce is pending;
   ``on_close`` (graceful) waits for them too, non-graceful cancels them, and
   then the session is forgotten.
+
+Options beyond upstream (off by default):
+
+- ``max_gate_tasks``: at most this many gate calls per session at once; a
+  window arriving past that is not gated (the next window covers the same
+  moment). Bounds the engine load one fast video stream can cause.
+- ``hold_decisions_while_responding``: a waiting decision does not make
+  ``should_respond`` true while this adapter's response streams, so input
+  arriving meanwhile never cuts a proactive remark or an answer short with
+  another remark; a new question still does.
 """
 
 from __future__ import annotations
@@ -39,9 +48,8 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from typing import Any
 
 from workers.adapters.base import AdapterCapabilities, Notifier, OutputChunk
 from workers.adapters.mage_vl_types import (
@@ -51,38 +59,25 @@ from workers.adapters.mage_vl_types import (
     parse_input,
 )
 
-__all__ = ["GateFn", "GenerateFn", "MageVLAdapter"]
+__all__ = ["OUTPUT_MODALITIES", "GateFn", "GenerateFn", "MageVLAdapter"]
 
 logger = logging.getLogger(__name__)
 
-GateFn = Callable[[str, tuple[VisualWindow, ...], str | None], Awaitable[object]]
-"""``gate(session_id, windows, query)``: a decision, mapping, bool, string or None."""
+GateFn = Callable[[str, tuple[VisualWindow, ...]], object]
+"""``gate(session_id, windows)``: a decision, mapping, bool, string or None, or an awaitable."""
 
-GenerateFn = Callable[
-    [tuple[VisualWindow, ...], str | GateDecision], Awaitable[str] | AsyncIterator[str]
-]
-"""``generate(windows, cue)``: the full text, or an async iterator of text pieces."""
+GenerateFn = Callable[[str, tuple[VisualWindow, ...], str | None, GateDecision | None], object]
+"""``generate(session_id, windows, query, decision)``: text, chunks or an iterator of them."""
 
-MAGE_VL_CAPABILITIES = AdapterCapabilities(
-    input_modalities=frozenset({"text", "video"}),
-    output_modalities=frozenset({"text"}),
-    proactive=True,
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """One response's work: an explicit query or a queued gate decision."""
-
-    query: str | None = None
-    decision: GateDecision | None = None
+OUTPUT_MODALITIES = frozenset({"text", "audio"})
+"""What ``output_modality`` may name: the kind of delta plain pieces become."""
 
 
 class _Session:
     """Everything Mage-VL knows about one session; dropped on close."""
 
     __slots__ = (
-        "decisions",
+        "decision",
         "gate_tasks",
         "generation",
         "notify",
@@ -92,10 +87,10 @@ class _Session:
         "windows",
     )
 
-    def __init__(self, max_windows: int, max_decisions: int) -> None:
-        self.windows: deque[VisualWindow] = deque(maxlen=max_windows)
+    def __init__(self) -> None:
+        self.windows: list[VisualWindow] = []
         self.query: str | None = None
-        self.decisions: deque[GateDecision] = deque(maxlen=max_decisions)
+        self.decision: GateDecision | None = None
         self.seen_events: set[str] = set()
         self.gate_tasks: set[asyncio.Task[None]] = set()
         self.notify: Notifier | None = None
@@ -108,35 +103,44 @@ class _Session:
 class MageVLAdapter:
     """Proactive video stage adapter; the model calls are injected (see module docs)."""
 
-    capabilities = MAGE_VL_CAPABILITIES
-
     def __init__(
         self,
-        gate: GateFn,
+        gate: GateFn | None = None,
         generate: GenerateFn | None = None,
         *,
         window_size: int = 4,
-        max_windows: int = 16,
-        max_gate_tasks: int = 4,
-        max_pending_decisions: int = 8,
+        max_windows: int = 64,
+        output_modality: str = "text",
+        max_gate_tasks: int | None = None,
+        hold_decisions_while_responding: bool = False,
     ) -> None:
         for name, value in (
             ("window_size", window_size),
             ("max_windows", max_windows),
-            ("max_gate_tasks", max_gate_tasks),
-            ("max_pending_decisions", max_pending_decisions),
+            ("max_gate_tasks", 1 if max_gate_tasks is None else max_gate_tasks),
         ):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if window_size > max_windows:
             raise ValueError(f"window_size ({window_size}) exceeds max_windows ({max_windows})")
+        if output_modality not in OUTPUT_MODALITIES:
+            raise ValueError(
+                f"output_modality must be one of {sorted(OUTPUT_MODALITIES)}, "
+                f"got {output_modality!r}"
+            )
         self._gate = gate
         self._generate = generate
         self._window_size = window_size
         self._max_windows = max_windows
+        self._output_modality = output_modality
         self._max_gate_tasks = max_gate_tasks
-        self._max_decisions = max_pending_decisions
+        self._hold = hold_decisions_while_responding
         self._sessions: dict[str, _Session] = {}
+        self.capabilities = AdapterCapabilities(
+            input_modalities=frozenset({"text", "video"}),
+            output_modalities=frozenset({output_modality}),
+            proactive=True,
+        )
 
     # -- introspection ----------------------------------------------------
 
@@ -147,6 +151,11 @@ class MageVLAdapter:
         """The session's retained windows, oldest first (empty if unknown)."""
         state = self._sessions.get(session_id)
         return tuple(state.windows) if state else ()
+
+    def pending_decision(self, session_id: str) -> GateDecision | None:
+        """The decision waiting in the session's slot, if any."""
+        state = self._sessions.get(session_id)
+        return state.decision if state else None
 
     def gate_tasks_in_flight(self, session_id: str) -> int:
         state = self._sessions.get(session_id)
@@ -166,14 +175,15 @@ class MageVLAdapter:
         # Parse before touching state, so a bad input changes nothing.
         parsed = parse_input(item)
         if parsed is None:
-            return  # a turn commit: a pending query is answerable without one
+            return  # a commit or blank text: nothing to keep
         state = self._session(session_id)
         if isinstance(parsed, str):
             state.query = parsed
             return
         state.windows.append(parsed)
-        if len(state.windows) >= self._window_size:
-            self._schedule_gate(session_id, state)
+        if len(state.windows) > self._max_windows:
+            del state.windows[: len(state.windows) - self._max_windows]
+        self._schedule_gate(session_id, state)
 
     def should_respond(self, session_id: str) -> bool:
         state = self._sessions.get(session_id)
@@ -181,20 +191,24 @@ class MageVLAdapter:
             return False
         if state.query is not None and state.windows:
             return True
-        return bool(state.decisions) and state.responding is None
+        if self._hold and state.responding is not None:
+            return False
+        return state.decision is not None and state.decision.respond
 
     async def respond(self, session_id: str) -> AsyncIterator[OutputChunk]:
         state = self._sessions.get(session_id)
-        job = _take_job(state) if state is not None else None
-        if state is None or job is None:
+        if state is None or (state.query is None and state.decision is None):
             return
+        query, decision = state.query, state.decision
+        state.query = state.decision = None
         token = object()
         state.responding = token
         try:
             # aclosing: when the runtime stops this stream early, the nested
             # generators (and generate()'s iterator) are closed right away too.
-            async with contextlib.aclosing(self._speak(session_id, state, job)) as chunks:
-                async for chunk in chunks:
+            chunks = self._speak(session_id, state, query, decision)
+            async with contextlib.aclosing(chunks) as stream:
+                async for chunk in stream:
                     yield chunk
         finally:
             # A superseding respond() may already own the flag; leave it then.
@@ -207,7 +221,7 @@ class MageVLAdapter:
             return
         state.generation += 1
         state.query = None
-        state.decisions.clear()
+        state.decision = None
         await _cancel_tasks(state.gate_tasks)
 
     async def flush(self, session_id: str) -> None:
@@ -235,35 +249,33 @@ class MageVLAdapter:
         if state is None:
             if not isinstance(session_id, str) or not session_id:
                 raise ValueError("session_id must be a non-empty string")
-            state = _Session(self._max_windows, self._max_decisions)
+            state = _Session()
             self._sessions[session_id] = state
         return state
 
-    def _gate_view(self, state: _Session) -> tuple[VisualWindow, ...]:
+    def _latest(self, state: _Session) -> tuple[VisualWindow, ...]:
         """The latest ``window_size`` windows (fewer if fewer exist)."""
-        return tuple(state.windows)[-self._window_size :]
+        return tuple(state.windows[-self._window_size :])
 
     def _schedule_gate(self, session_id: str, state: _Session) -> None:
-        if len(state.gate_tasks) >= self._max_gate_tasks:
+        if self._gate is None or len(state.windows) < self._window_size:
+            return
+        if self._max_gate_tasks is not None and len(state.gate_tasks) >= self._max_gate_tasks:
             logger.debug("session %s: gate busy, window not evaluated", session_id)
             return
         task = asyncio.create_task(
-            self._evaluate(session_id, state, state.generation, self._gate_view(state)),
+            self._evaluate(session_id, state, state.generation),
             name=f"mage-vl-gate-{session_id}",
         )
         state.gate_tasks.add(task)
         task.add_done_callback(state.gate_tasks.discard)
 
-    async def _evaluate(
-        self,
-        session_id: str,
-        state: _Session,
-        generation: int,
-        windows: tuple[VisualWindow, ...],
-    ) -> None:
+    async def _evaluate(self, session_id: str, state: _Session, generation: int) -> None:
         """Body of a gate task; never raises except CancelledError."""
+        assert self._gate is not None
         try:
-            decision = coerce_decision(await self._gate(session_id, windows, None))
+            answer = await _resolve(self._gate(session_id, self._latest(state)))
+            decision = coerce_decision(answer)
         except Exception:
             logger.exception("session %s: cognition gate failed", session_id)
             return
@@ -275,89 +287,79 @@ class MageVLAdapter:
             except Exception:
                 logger.exception("session %s: notifier failed", session_id)
 
-    def _accept(self, state: _Session, decision: GateDecision) -> bool:
-        """Queue a positive, voiceable, not-yet-seen decision; True if queued."""
+    @staticmethod
+    def _accept(state: _Session, decision: GateDecision) -> bool:
+        """Put a positive, not-yet-seen decision in the slot; True if it took it."""
         if not decision.respond:
-            return False
-        if self._generate is None and not decision.text:
-            logger.debug("gate decision without text and no generate(): nothing to say")
             return False
         if decision.event_id is not None:
             if decision.event_id in state.seen_events:
                 return False
             state.seen_events.add(decision.event_id)
-        state.decisions.append(decision)
+        state.decision = decision
         return True
 
     # -- speaking ---------------------------------------------------------
 
     async def _speak(
-        self, session_id: str, state: _Session, job: _Job
+        self,
+        session_id: str,
+        state: _Session,
+        query: str | None,
+        decision: GateDecision | None,
     ) -> AsyncGenerator[OutputChunk, None]:
-        history = tuple(state.windows)
-        metadata: dict[str, object] = {"trigger": "query" if job.query is not None else "gate"}
-        if job.query is not None:
-            if self._generate is not None:
-                async with contextlib.aclosing(self._generated(history, job.query)) as pieces:
-                    async for piece in pieces:
-                        yield OutputChunk.text_delta(piece)
-            else:
-                answer = coerce_decision(
-                    await self._gate(session_id, self._gate_view(state), job.query)
-                )
-                if answer.event_id is not None:
-                    # The answer covered this event; the proactive path need not repeat it.
-                    state.seen_events.add(answer.event_id)
-                if answer.respond and answer.text:
-                    yield OutputChunk.text_delta(answer.text)
-                else:
-                    metadata["answered"] = False
-        else:
-            assert job.decision is not None
-            decision = job.decision
-            if decision.event_id is not None:
-                metadata["event_id"] = decision.event_id
-            if self._generate is not None:
-                async with contextlib.aclosing(self._generated(history, decision)) as pieces:
-                    async for piece in pieces:
-                        yield OutputChunk.text_delta(piece)
-            else:
-                yield OutputChunk.text_delta(decision.text)
+        metadata: dict[str, object] = {"trigger": "query" if query is not None else "gate"}
+        if decision is not None and decision.event_id is not None:
+            metadata["event_id"] = decision.event_id
+        if self._generate is not None:
+            result = self._generate(session_id, self._latest(state), query, decision)
+            async with contextlib.aclosing(_pieces(result)) as pieces:
+                async for piece in pieces:
+                    chunk = self._as_chunk(piece)
+                    if chunk is not None:
+                        yield chunk
+        elif decision is not None and decision.text:
+            # The gate's own words: text whatever the output modality.
+            yield OutputChunk.text_delta(decision.text)
         yield OutputChunk.done(**metadata)
 
-    async def _generated(
-        self, windows: tuple[VisualWindow, ...], cue: str | GateDecision
-    ) -> AsyncGenerator[str, None]:
-        """Normalise generate()'s result (text, awaitable, async iterator) to pieces."""
-        assert self._generate is not None
-        result: object = self._generate(windows, cue)
-        if inspect.isawaitable(result):
-            result = await result
-        if isinstance(result, str):
-            if result:
-                yield result
-            return
-        if not hasattr(result, "__aiter__"):
-            raise TypeError(f"generate() returned {type(result).__name__}, not text")
+    def _as_chunk(self, piece: object) -> OutputChunk | None:
+        """A chunk of ``output_modality`` for a plain piece; None for an empty one."""
+        if isinstance(piece, OutputChunk):
+            return piece
+        if self._output_modality == "text" and isinstance(piece, str):
+            return OutputChunk.text_delta(piece) if piece else None
+        if self._output_modality == "audio" and isinstance(piece, bytes):
+            return OutputChunk.audio_delta(piece) if piece else None
+        raise TypeError(
+            f"generate() gave a {type(piece).__name__}; a {self._output_modality} adapter takes "
+            f"{'str' if self._output_modality == 'text' else 'bytes'} or OutputChunk"
+        )
+
+
+async def _resolve(value: object) -> object:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _pieces(result: object) -> AsyncGenerator[object, None]:
+    """generate()'s result, however shaped, as a stream of pieces."""
+    resolved: Any = await _resolve(result)
+    if isinstance(resolved, str | bytes | OutputChunk):
+        yield resolved
+        return
+    if hasattr(resolved, "__aiter__"):
         try:
-            async for piece in result:
-                if not isinstance(piece, str):
-                    raise TypeError(f"generate() yielded {type(piece).__name__}, not str")
-                if piece:
-                    yield piece
+            async for piece in resolved:
+                yield piece
         finally:
-            aclose = getattr(result, "aclose", None)
+            aclose = getattr(resolved, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-def _take_job(state: _Session) -> _Job | None:
-    if state.query is not None and state.windows:
-        query, state.query = state.query, None
-        return _Job(query=query)
-    if state.decisions:
-        return _Job(decision=state.decisions.popleft())
-    return None
+        return
+    if not isinstance(resolved, Iterable):
+        raise TypeError(f"generate() returned {type(resolved).__name__}, not text or chunks")
+    for piece in resolved:
+        yield piece
 
 
 async def _wait_tasks(tasks: set[asyncio.Task[None]]) -> None:

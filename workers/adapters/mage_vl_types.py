@@ -2,34 +2,38 @@
 
 Pure code, no asyncio: what a visual window is, what a cognition-gate
 decision is, and how the loose shapes callers and injected model functions
-hand us are turned into those two types (or rejected with a clear error).
+hand us are turned into those two types. The coercions follow the upstream
+Mage-VL adapter (vLLM-Omni) shape for shape.
 
 Accepted inputs (``parse_input``):
 
 - text query: ``str``, ``schemas.events.TextPayload``, or a mapping with a
-  ``text`` key and no frame data;
-- visual window: ``VisualWindow``, ``VideoPayload``, ``UnitPayload`` carrying
-  video, raw ``bytes`` (one frame), or any mapping / attribute-style object
-  with ``frames`` or ``data`` plus optional ``codec``, ``kind``,
-  ``segment_id`` (or ``segment``), ``pts_ms`` (or ``pts``), ``duration_ms``
-  (or ``duration``) and ``metadata``;
+  ``text`` key and no window data; the text is stripped, and a blank query
+  means nothing (``None``), like a turn commit;
+- visual window: anything else. A ``VisualWindow`` is kept as is; a
+  ``VideoPayload`` (or a ``UnitPayload``'s video) gives its frames, codec and
+  timing; a mapping gives its payload from ``data``, else ``frames``, else
+  ``frame``, else ``codec``, and ``kind``, ``segment_id``, ``pts_ms``,
+  ``duration_ms`` and ``metadata`` (a non-mapping metadata value is kept
+  under ``metadata``); any other object (encoded bytes, a decoded array,
+  codec side information) is the window's opaque ``data``;
 - an ``InputEvent`` is unwrapped to its payload first; a ``CommitPayload``
-  is accepted and means nothing here (``None``); audio-only and token
-  payloads raise ``UnsupportedModeError`` (a ``ValueError``), and a unit's
-  audio is ignored when it also carries video.
+  means nothing here (``None``); audio-only and token payloads raise
+  ``UnsupportedModeError`` (a ``ValueError``): Mage-VL takes text and video.
 
-Accepted gate answers (``coerce_decision``): a ``GateDecision``; ``None``
-(silent); a bool (respond or not); a string (non-empty: respond with that
-text); a mapping or object with ``respond``/``should_respond``,
-``text``/``answer``, ``event_id`` and ``metadata``. Without an explicit
-respond flag, a decision responds when it carries text.
+Accepted gate answers (``coerce_decision``): a ``GateDecision``; a mapping
+whose respond flag is ``should_respond``, else ``respond``, else ``open``
+(default false: a bare ``{"text": ...}`` does not respond), with ``text``,
+``event_id``, ``score``, ``reason`` and ``metadata``; a string (stripped; it
+responds with that text when non-blank); anything else by truth value
+(``None`` and ``False`` are silent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas.errors import UnsupportedModeError
 from schemas.events import (
@@ -51,26 +55,36 @@ __all__ = [
     "parse_input",
 ]
 
-_MISSING = object()
+_T = TypeVar("_T")
+_PAYLOAD_KEYS = ("data", "frames", "frame", "codec")
+"""Mapping keys that carry a window's payload, in the order they are looked up."""
 
 
 @dataclass(frozen=True, slots=True)
 class VisualWindow:
-    """One slice of video the model looks at: encoded frames plus timing."""
+    """One causal slice of video the model looks at.
 
-    frames: tuple[bytes, ...]
-    codec: str = "jpeg"
+    ``data`` is opaque: encoded frames (a tuple of bytes, as the wire carries
+    them), decoded arrays or codec-native side information all fit, so
+    classic codecs and neural codec tensors share one session API.
+    ``frames`` is the encoded-frame view of ``data`` for the stages that
+    decode images.
+    """
+
+    data: object
     kind: str = "video"
+    codec: str = "jpeg"
+    """Encoding of the frames in ``data`` when they are encoded images."""
     segment_id: str | None = None
-    pts_ms: int = 0
-    duration_ms: int = 0
+    pts_ms: int | None = None
+    duration_ms: int | None = None
     metadata: Mapping[str, object] = field(default_factory=lambda: EMPTY_METADATA)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.frames, tuple) or not self.frames:
-            raise ValueError("VisualWindow.frames must be a non-empty tuple of bytes")
-        if not all(isinstance(frame, bytes) for frame in self.frames):
-            raise TypeError("VisualWindow.frames must hold bytes")
+        if isinstance(self.data, bytearray | memoryview):
+            object.__setattr__(self, "data", bytes(self.data))
+        if isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
         for name in ("codec", "kind"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -79,25 +93,36 @@ class VisualWindow:
             raise TypeError("VisualWindow.segment_id must be a string or None")
         for name in ("pts_ms", "duration_ms"):
             value = getattr(self, name)
-            if type(value) is not int or value < 0:
+            if value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"VisualWindow.{name} must be a non-negative int, got {value!r}")
         object.__setattr__(self, "metadata", freeze_metadata(self.metadata))
+
+    @property
+    def frames(self) -> tuple[bytes, ...]:
+        """The encoded frames in ``data``: one for bytes, each for a tuple of bytes; else none."""
+        if isinstance(self.data, bytes):
+            return (self.data,)
+        if isinstance(self.data, tuple) and all(isinstance(f, bytes) for f in self.data):
+            return self.data
+        return ()
 
 
 @dataclass(frozen=True, slots=True)
 class GateDecision:
-    """The cognition gate's verdict on the current windows (or on a query)."""
+    """The cognition gate's verdict on the current windows."""
 
     respond: bool
     text: str = ""
     event_id: str | None = None
     metadata: Mapping[str, object] = field(default_factory=lambda: EMPTY_METADATA)
+    score: float | None = None
+    reason: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.respond, bool):
             raise TypeError("GateDecision.respond must be a bool")
-        if not isinstance(self.text, str):
-            raise TypeError("GateDecision.text must be a string")
+        if not isinstance(self.text, str) or not isinstance(self.reason, str):
+            raise TypeError("GateDecision.text and reason must be strings")
         if self.event_id is not None and not isinstance(self.event_id, str):
             raise TypeError("GateDecision.event_id must be a string or None")
         object.__setattr__(self, "metadata", freeze_metadata(self.metadata))
@@ -106,51 +131,30 @@ class GateDecision:
 SILENT = GateDecision(respond=False)
 
 
-def _field(source: object, *names: str) -> Any:
-    """The first of ``names`` present on a mapping or object, else ``_MISSING``."""
-    for name in names:
-        if isinstance(source, Mapping):
-            if name in source:
-                return source[name]
-        elif hasattr(source, name):
-            return getattr(source, name)
-    return _MISSING
+def _optional(value: object, convert: Callable[[Any], _T]) -> _T | None:
+    return None if value is None else convert(value)
 
 
-def _frames(value: object) -> tuple[bytes, ...]:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return (bytes(value),)
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        frames = []
-        for frame in value:
-            if not isinstance(frame, bytes | bytearray | memoryview):
-                raise TypeError(f"a video frame must be bytes, not {type(frame).__name__}")
-            frames.append(bytes(frame))
-        return tuple(frames)
-    raise TypeError(f"frames must be bytes or a sequence of bytes, not {type(value).__name__}")
-
-
-def _window_from_fields(source: object) -> VisualWindow:
-    raw_frames = _field(source, "frames", "data")
-    if raw_frames is _MISSING or raw_frames is None:
-        raise ValueError(f"{type(source).__name__} has no frames/data to make a visual window from")
-    options: dict[str, Any] = {"frames": _frames(raw_frames)}
-    for target, names in (
-        ("codec", ("codec",)),
-        ("kind", ("kind",)),
-        ("segment_id", ("segment_id", "segment")),
-        ("pts_ms", ("pts_ms", "pts")),
-        ("duration_ms", ("duration_ms", "duration")),
-        ("metadata", ("metadata",)),
-    ):
-        value = _field(source, *names)
-        if value is not _MISSING and value is not None:
-            options[target] = value
-    segment = options.get("segment_id")
-    if segment is not None and not isinstance(segment, str):
-        # Integer segment counters are common; keep ids as strings.
-        options["segment_id"] = str(segment)
-    return VisualWindow(**options)
+def _window_from_mapping(item: Mapping[str, Any]) -> VisualWindow:
+    metadata = item.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        metadata = {"metadata": metadata}
+    payload = None
+    for key in _PAYLOAD_KEYS:
+        if key in item:
+            payload = item[key]
+            break
+    codec = item.get("codec")
+    return VisualWindow(
+        data=payload,
+        kind=str(item.get("kind", "video")),
+        # "codec" names the encoding when another key carries the payload.
+        codec=codec if isinstance(codec, str) and codec and payload is not codec else "jpeg",
+        segment_id=_optional(item.get("segment_id"), str),
+        pts_ms=_optional(item.get("pts_ms"), int),
+        duration_ms=_optional(item.get("duration_ms"), int),
+        metadata=metadata,
+    )
 
 
 def coerce_window(item: object) -> VisualWindow:
@@ -159,20 +163,21 @@ def coerce_window(item: object) -> VisualWindow:
         return item
     if isinstance(item, VideoPayload):
         return VisualWindow(
-            frames=item.frames, codec=item.codec, pts_ms=item.pts_ms, duration_ms=item.duration_ms
+            data=item.frames, codec=item.codec, pts_ms=item.pts_ms, duration_ms=item.duration_ms
         )
     if isinstance(item, UnitPayload):
         if item.video is None:
             raise UnsupportedModeError("a unit without video is not supported by Mage-VL")
         return coerce_window(item.video)
-    if isinstance(item, AudioPayload | TokensPayload | CommitPayload):
-        # These carry data/fields a loose lookup would misread as frames.
+    if isinstance(item, AudioPayload | TokensPayload):
         raise UnsupportedModeError(f"{type(item).__name__} is not supported by Mage-VL")
-    if isinstance(item, bytes | bytearray | memoryview):
-        return VisualWindow(frames=(bytes(item),))
-    if isinstance(item, str | int | float | bool) or item is None:
-        raise TypeError(f"cannot make a visual window from {type(item).__name__}")
-    return _window_from_fields(item)
+    if isinstance(item, Mapping):
+        return _window_from_mapping(item)
+    return VisualWindow(data=item)
+
+
+def _has_payload(item: Mapping[str, Any]) -> bool:
+    return any(key in item for key in _PAYLOAD_KEYS)
 
 
 def _query_text(item: object) -> str | None:
@@ -181,16 +186,13 @@ def _query_text(item: object) -> str | None:
         return item
     if isinstance(item, TextPayload):
         return item.text
-    if isinstance(item, Mapping) and "text" in item and not ({"frames", "data"} & item.keys()):
-        text = item["text"]
-        if not isinstance(text, str):
-            raise TypeError(f"text input must be a string, not {type(text).__name__}")
-        return text
+    if isinstance(item, Mapping) and "text" in item and not _has_payload(item):
+        return str(item["text"] or "")
     return None
 
 
 def parse_input(item: object) -> str | VisualWindow | None:
-    """Classify one input: a query string, a visual window, or ``None`` (a commit)."""
+    """Classify one input: a query string, a visual window, or ``None`` (nothing to keep)."""
     if isinstance(item, InputEvent):
         item = item.payload
     if isinstance(item, CommitPayload):
@@ -198,27 +200,23 @@ def parse_input(item: object) -> str | VisualWindow | None:
     query = _query_text(item)
     if query is None:
         return coerce_window(item)
-    if not query.strip():
-        raise ValueError("an empty text query")
-    return query
+    return query.strip() or None
 
 
-def _decision_from_fields(source: object) -> GateDecision:
-    text = _field(source, "text", "answer")
-    if text is _MISSING or text is None:
-        text = ""
-    if not isinstance(text, str):
-        raise TypeError(f"gate text must be a string, not {type(text).__name__}")
-    flag = _field(source, "respond", "should_respond")
-    respond = bool(text) if flag is _MISSING or flag is None else bool(flag)
-    event_id = _field(source, "event_id")
-    event_id = None if event_id is _MISSING or event_id is None else str(event_id)
-    metadata = _field(source, "metadata")
+def _decision_from_mapping(source: Mapping[str, Any]) -> GateDecision:
+    flag = False
+    for key in ("should_respond", "respond", "open"):
+        if key in source:
+            flag = source[key]
+            break
+    text = source.get("text")
     return GateDecision(
-        respond=respond,
-        text=text,
-        event_id=event_id,
-        metadata=freeze_metadata(None if metadata is _MISSING else metadata),
+        respond=bool(flag),
+        text="" if text is None else str(text),
+        event_id=_optional(source.get("event_id"), str),
+        score=_optional(source.get("score"), float),
+        reason=str(source.get("reason") or ""),
+        metadata=freeze_metadata(source.get("metadata")),
     )
 
 
@@ -226,16 +224,9 @@ def coerce_decision(value: object) -> GateDecision:
     """Turn a gate's answer into a ``GateDecision`` (see module docs)."""
     if isinstance(value, GateDecision):
         return value
-    if value is None:
-        return SILENT
-    if isinstance(value, bool):
-        return GateDecision(respond=value)
+    if isinstance(value, Mapping):
+        return _decision_from_mapping(value)
     if isinstance(value, str):
-        return GateDecision(respond=True, text=value) if value.strip() else SILENT
-    if isinstance(value, int | float | bytes | bytearray):
-        raise TypeError(f"cannot read a gate decision from {type(value).__name__}")
-    if isinstance(value, Mapping) or any(
-        hasattr(value, name) for name in ("respond", "should_respond", "text", "answer")
-    ):
-        return _decision_from_fields(value)
-    raise TypeError(f"cannot read a gate decision from {type(value).__name__}")
+        text = value.strip()
+        return GateDecision(respond=bool(text), text=text)
+    return GateDecision(respond=bool(value))

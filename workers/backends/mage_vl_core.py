@@ -102,12 +102,15 @@ class MageVLOptions(BaseModel):
 
     window_size: int = Field(4, ge=1, le=256)
     """Windows the gate looks at; the gate runs once this many exist, on every new one."""
-    max_windows: int = Field(16, ge=1, le=4096)
-    """Windows a session retains (oldest dropped); answers and remarks see all of them."""
+    max_windows: int = Field(64, ge=1, le=4096)
+    """Windows a session retains (oldest dropped); answers and remarks see the latest
+    ``window_size`` of them."""
     max_gate_tasks: int = Field(4, ge=1, le=64)
-    """Gate calls one session runs at once; a window arriving past that is not gated."""
-    max_pending_decisions: int = Field(8, ge=1, le=256)
-    """Positive gate verdicts a session queues before the oldest is dropped."""
+    """Gate calls one session runs at once; a window arriving past that is not gated
+    (bounds the engine load one video stream causes; upstream has no bound)."""
+    hold_decisions_while_responding: bool = True
+    """A gate decision waits while an answer or remark streams instead of cutting it
+    short when the next frame arrives (upstream lets it start at once)."""
     segment_ms: int = Field(2000, ge=1, le=3_600_000)
     """Stream time one segment spans: windows whose pts fall in one segment show one moment."""
     event_key: Literal["segment", "frames", "none"] = "segment"
@@ -266,21 +269,13 @@ def make_window(video: VideoPayload, *, seq: int, session_id: str, segment_ms: i
             raise BackendError(f"input {seq}: frame {index} is not an image") from exc
         sizes.append(f"{width}x{height}")
     return VisualWindow(
-        frames=video.frames,
+        data=video.frames,
         codec=video.codec,
         segment_id=str(video.pts_ms // segment_ms),
         pts_ms=video.pts_ms,
         duration_ms=video.duration_ms,
         metadata={SESSION_META: session_id, SEQ_META: seq, SIZES_META: ",".join(sizes)},
     )
-
-
-def session_of(windows: Sequence[VisualWindow]) -> str | None:
-    """The session the (stage-made) windows belong to."""
-    if not windows:
-        return None
-    value = windows[-1].metadata.get(SESSION_META)
-    return value if isinstance(value, str) else None
 
 
 # -- prompts ---------------------------------------------------------------------------

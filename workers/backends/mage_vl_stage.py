@@ -4,13 +4,15 @@ Wiring. One ``MageVLAdapter`` serves every session of the stage (its state is
 keyed by session id); its two injected calls run on the worker's one vLLM
 engine (``VllmEngine``):
 
-- ``gate(session_id, windows, query)`` renders a prompt describing the latest
+- ``gate(session_id, windows)`` renders a prompt describing the latest
   windows, generates at most ``gate_max_tokens`` and turns the text into a
   ``GateDecision`` (``mage_vl_core.verdict``), tied to an event so that one
   event is spoken once;
-- ``generate(windows, cue)`` renders an answer prompt (cue: the user's question)
-  or a remark prompt (cue: a gate decision) over all retained windows and
-  streams at most ``generate_max_tokens``.
+- ``generate(session_id, windows, query, decision)`` renders an answer prompt
+  (when a question is pending) or else a remark prompt (voicing the gate's
+  decision) over the latest ``window_size`` windows and streams at most
+  ``generate_max_tokens``; a question and a pending decision are answered by
+  this one call.
 
 Each session gets an ``AdapterRuntime`` whose sink turns chunks into drafts
 (``mage_vl_core.to_draft``) and hands them to ``ctx.emit``: answers and
@@ -34,7 +36,7 @@ is read by decoding it. ``records`` keeps the newest requests (prompt, text,
 outcome) for logs and tests.
 
 Interruption. ``release(ctx, fence)`` barges in on the session's runtime: the
-response in flight is cancelled, queued decisions and the pending question are
+response in flight is cancelled, the pending decision and question are
 dropped and the gate tasks are cancelled; cancelled calls abort their engine
 requests, and any request of the session still tracked whose id decodes to
 the released epoch or an earlier one is aborted before ``release`` returns.
@@ -46,7 +48,7 @@ before its cancel does triggers the same barge-in.
 
 Close and failover. ``stop`` closes the runtime without speaking what is
 pending: once a session stops the worker publishes nothing more for it, so
-voicing queued decisions would only spend engine time. ``start`` rebuilds
+voicing a pending decision would only spend engine time. ``start`` rebuilds
 which events were already spoken from the stage's published ``done`` outputs
 (so a new owner does not repeat them); windows are not replayed, the gate
 resumes once ``window_size`` new windows arrived.
@@ -89,7 +91,6 @@ from workers.backends.mage_vl_core import (
     make_window,
     parse_options,
     remark_builder,
-    session_of,
     to_draft,
     verdict,
 )
@@ -179,7 +180,7 @@ class MageVLStage:
             window_size=self.options.window_size,
             max_windows=self.options.max_windows,
             max_gate_tasks=self.options.max_gate_tasks,
-            max_pending_decisions=self.options.max_pending_decisions,
+            hold_decisions_while_responding=self.options.hold_decisions_while_responding,
         )
         self._sessions: dict[str, MageSession] = {}
         self._numbers = itertools.count(1)
@@ -348,13 +349,11 @@ class MageVLStage:
 
     # -- model calls (injected into the adapter) -----------------------------------------
 
-    async def _gate(
-        self, session_id: str, windows: tuple[VisualWindow, ...], query: str | None
-    ) -> GateDecision:
+    async def _gate(self, session_id: str, windows: tuple[VisualWindow, ...]) -> GateDecision:
         session = self._sessions.get(session_id)
         if session is None:
             return GateDecision(respond=False)
-        builder = gate_builder(self.options, query)
+        builder = gate_builder(self.options, None)
         stream = self._stream(session, "gate", builder, windows, self.options.gate_max_tokens)
         async with contextlib.aclosing(stream) as pieces:
             text = "".join([piece async for piece in pieces])
@@ -364,17 +363,25 @@ class MageVLStage:
         return decision
 
     async def _generate(
-        self, windows: tuple[VisualWindow, ...], cue: str | GateDecision
+        self,
+        session_id: str,
+        windows: tuple[VisualWindow, ...],
+        query: str | None,
+        decision: GateDecision | None,
     ) -> AsyncGenerator[str, None]:
-        session = self._sessions.get(session_of(windows) or "")
+        session = self._sessions.get(session_id)
         if session is None:
-            raise BackendError("Mage-VL windows of a session this stage does not serve")
-        if isinstance(cue, str):
+            raise BackendError(f"Mage-VL session {session_id!r} is not served by this stage")
+        # One call answers both: a question is answered (the pending remark's moment
+        # is in the same windows), else the decision is voiced.
+        if query is not None:
             purpose: Purpose = "answer"
-            builder = answer_builder(self.options, cue)
-        else:
+            builder = answer_builder(self.options, query)
+        elif decision is not None:
             purpose = "remark"
-            builder = remark_builder(self.options, cue)
+            builder = remark_builder(self.options, decision)
+        else:
+            return
         stream = self._stream(session, purpose, builder, windows, self.options.generate_max_tokens)
         async with contextlib.aclosing(stream) as pieces:
             async for piece in pieces:
