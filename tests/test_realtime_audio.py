@@ -164,8 +164,13 @@ async def test_instructions_text_only_output_and_voice_take_effect(settings):
     content = [part for item in quiet["output"] for part in item["content"]]
     assert content == [{"type": "output_text", "text": "Gladly. You said hello there."}]
     assert not audio_of(quiet["id"])
-    # Audio again, and each voice speaks the same words differently.
+    # Audio again, and each voice speaks the same words differently; the updates that
+    # named only the output and the voice kept the instructions (merge, not replace).
     assert marin["status"] == cedar["status"] == "completed"
+    for spoken in (marin, cedar):
+        parts = {part["type"]: part for item in spoken["output"] for part in item["content"]}
+        assert parts["output_text"]["text"] == "Gladly. You said hello there."
+        assert parts["output_audio"]["transcript"] == "Gladly. You said hello there."
     assert audio_of(marin["id"]) and audio_of(cedar["id"])
     assert audio_of(marin["id"]) != audio_of(cedar["id"])
     # Typed text is not reported as a transcription of audio.

@@ -347,3 +347,59 @@ async def test_cancelling_nothing_is_an_error_and_clearing_audio_cancels(sdk_set
     _validated(client.seen)
     assert cut[-1]["response_id"] == done[0]["response"]["id"]
     assert again["error"]["code"] == "response_cancel_not_active"
+
+
+async def test_a_cancelled_turn_and_bad_input_through_the_sdk(sdk_settings):
+    pipeline = streaming_echo(chunks=64, step_ms=50)  # about 3 s of streaming
+    events: list[dict[str, Any]] = []
+
+    async def until(kind: str) -> dict[str, Any]:
+        async with asyncio.timeout(15):
+            while True:
+                events.append(json.loads(await connection.recv_bytes()))
+                if events[-1]["type"] == kind:
+                    return events[-1]
+
+    async with (
+        serving(sdk_settings, pipeline) as base,
+        running_worker(sdk_settings, pipeline, "echo"),
+    ):
+        client = AsyncOpenAI(api_key="k1", websocket_base_url=f"{base}/v1")
+        async with client.realtime.connect(model="duplexq") as connection:
+            await until("session.created")
+            # Bad input, each answered by an error naming it; the session goes on.
+            await connection.send_raw("{not json")
+            not_json = await until("error")
+            await connection.send_raw(json.dumps({"type": "no.such.event", "event_id": "e1"}))
+            unknown = await until("error")
+            await connection.send_raw(json.dumps({"type": "input_audio_buffer.append",
+                                                  "audio": "%%%", "event_id": "e2"}))  # fmt: skip
+            not_base64 = await until("error")
+            await connection.conversation.item.create(
+                item={"type": "message", "role": "user",
+                      "content": [{"type": "input_text", "text": "a long answer " * 10}]}
+            )  # fmt: skip
+            await connection.response.create()
+            await until("response.output_text.delta")
+            await connection.response.cancel()
+            done = await until("response.done")
+            await connection.conversation.item.create(
+                item={"type": "message", "role": "user",
+                      "content": [{"type": "input_text", "text": "again"}]}
+            )  # fmt: skip
+            await connection.response.create()
+            while (again := await until("response.done"))["response"]["status"] != "completed":
+                pass
+        await client.close()
+    _validated(events)
+    assert not_json["error"]["code"] == "invalid_json"
+    assert (unknown["error"]["code"], unknown["error"]["event_id"]) == ("unknown_event", "e1")
+    assert (not_base64["error"]["code"], not_base64["error"]["event_id"]) == (
+        "invalid_base64", "e2")  # fmt: skip
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "client_cancelled"
+    # Framed to the end: the cut text part and the item closed before response.done.
+    closing = [e["type"] for e in events[events.index(done) - 4 : events.index(done)]]
+    assert closing == ["response.output_text.done", "response.content_part.done",
+                       "response.output_item.done", "conversation.item.done"]  # fmt: skip
+    assert again["response"]["output"][0]["content"][0]["text"] == "again"

@@ -386,7 +386,8 @@ async def test_tts_speaks_sentences_as_24k_pcm16_chunks():
     assert abs(len(samples) - expected) < 0.05 * expected
     assert np.abs(samples).max() > 0.1  # real speech, not silence
     rest = [d async for d in backend.handle(ctx, text_event(2, "", OutputKind.DONE))]
-    assert rest[0].text == "How are" and rest[-1].kind is OutputKind.DONE
+    # Each later sentence's transcript follows on with a space: they concatenate.
+    assert rest[0].text == " How are" and rest[-1].kind is OutputKind.DONE
     assert backend.killed == 0
 
 

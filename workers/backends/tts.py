@@ -273,9 +273,10 @@ class TtsBackend:
         session.sentences += 1
         index = session.sentences
         if self.options.transcript:
+            # The transcript deltas of a response concatenate to what it said.
             yield OutputDraft(
                 OutputKind.TRANSCRIPT,
-                text=sentence,
+                text=sentence if index == 1 else f" {sentence}",
                 meta={"sentence": index, "role": "assistant"},
                 flush=True,
             )
