@@ -54,6 +54,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         key_file.chmod(0o600)
         key_file.write_text(settings.api_keys[0] + "\n")
         key_note = f"API key for this run: in {key_file}"
+    if settings.models_dir == Settings.model_fields["models_dir"].default:
+        # Everything one `up` writes lives in its workdir; setup prepares var/models.
+        models = Path(args.workdir).resolve() / "models"
+        settings = settings.model_copy(update={"models_dir": str(models)})
     pipeline, pipeline_path = _pipeline_for_up(args.pipeline)
     stack = LocalStack(settings, pipeline_path.resolve(), Path(args.workdir).resolve())
     try:

@@ -107,6 +107,9 @@ class Settings(_Model):
     """Address the coordinator's HTTP/WebSocket server binds."""
     port: int = Field(8080, ge=0, le=65535)
     """Port of the coordinator's HTTP/WebSocket server (0: any free port)."""
+    models_dir: str = Field("var/models", min_length=1)
+    """Where prepared models live: ``package:NAME`` models and the tiny fallback model
+    (``docs/models.md``). ``duplexq up`` uses ``<workdir>/models``."""
     api_keys: tuple[str, ...] = ()
     """Accepted API keys (``Authorization: Bearer`` or the WebSocket subprotocol
     ``openai-insecure-api-key.<key>``); comma-separated in ``DUPLEXQ_API_KEYS``. Never

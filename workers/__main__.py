@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
     settings = load_settings(args.settings, args.redis_url)
+    # Backends find prepared models through the environment, which vLLM's own engine
+    # processes inherit (workers.backends.packaged_model).
+    os.environ["DUPLEXQ_MODELS_DIR"] = settings.models_dir
     pipeline = load_pipeline_or_echo(args.pipeline)
     worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
     try:
