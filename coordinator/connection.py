@@ -72,9 +72,11 @@ from schemas.realtime import (
     AudioCommit,
     BargeIn,
     ClientEvent,
+    FunctionCallOutputItem,
     ItemCreate,
     ItemDelete,
     ItemTruncate,
+    MessageItem,
     OutputAudioClear,
     PlaybackAck,
     ResponseCancel,
@@ -143,6 +145,8 @@ class Connection:
         """The highest response_seq whose response this connection has seen end (or has
         cancelled): with the session's reserved one, whether a response is in progress."""
         self.uncommitted = False
+        self._refused: set[str] = set()
+        """Function calls whose late result was refused once (a re-send is taken)."""
         self._turn_ended: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------
@@ -341,8 +345,13 @@ class Connection:
             await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
         elif isinstance(event, ItemCreate | ItemDelete | ItemTruncate | PlaybackAck):
             await self._edit_conversation(event)
-        elif isinstance(event, AudioCommit | ResponseCreate):
-            await self._commit(announce=isinstance(event, AudioCommit))
+        elif isinstance(event, AudioCommit):
+            await self._commit(announce=True)
+        elif isinstance(event, ResponseCreate):
+            tools = conversation.response_tools(event)
+            if tools is not None and self.uncommitted:
+                await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, tools)
+            await self._commit(announce=False)
         elif isinstance(event, AudioClear):
             await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
             self.uncommitted = False
@@ -373,12 +382,17 @@ class Connection:
         """A user message is a turn's input (the model may answer it); every other edit
         changes the model's conversation (``coordinator.conversation``)."""
         sid = self.session_id
-        if isinstance(event, ItemCreate) and event.item.role == "user":
-            payload = TextPayload(conversation.text_of(event), item_id=event.item.id or "")
+        item = event.item if isinstance(event, ItemCreate) else None
+        if isinstance(event, ItemCreate) and isinstance(item, MessageItem) and item.role == "user":
+            payload = TextPayload(conversation.text_of(item), item_id=item.id or "")
             receipt = await self._append(InputMode.APPEND_TEXT, payload)
-            notice = conversation.created_notice(event, event.item.id or f"item_{receipt}")
+            notice = conversation.created_notice(event, item.id or f"item_{receipt}")
             await self.coordinator.authority.journal(sid, notice)
             return
+        if isinstance(item, FunctionCallOutputItem):
+            # A result for a call of a response interrupted since is refused once.
+            conversation.check_output(item, self.translator, self.min_epoch, self._refused)
+            self.uncommitted = True  # the next response.create asks the model again
         if isinstance(event, PlaybackAck):
             # Recorded as the client said it; the model's answer is cut to what was heard
             # where this connection knows what was spoken when.

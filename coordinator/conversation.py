@@ -16,26 +16,44 @@ it; deleting one the conversation does not hold changes nothing.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
-from coordinator.realtime import ServerEventTranslator
+from pydantic import ValidationError
+
+from coordinator.realtime import ServerEventTranslator, invalid_event
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import ConversationPayload
 from schemas.items import item_id_for
-from schemas.realtime import ItemCreate, ItemDelete, ItemTruncate, PlaybackAck
+from schemas.realtime import (
+    FunctionCallOutputItem,
+    ItemCreate,
+    ItemDelete,
+    ItemTruncate,
+    MessageItem,
+    PlaybackAck,
+    ResponseCreate,
+)
+from schemas.tools import ResponseOptions, choice_text, tools_text
 
 Notice = dict[str, Any]
 
 
-def text_of(event: ItemCreate) -> str:
-    return "".join(part.text for part in event.item.content)
+def text_of(item: MessageItem) -> str:
+    return "".join(part.text for part in item.content)
 
 
 def added(event: ItemCreate) -> tuple[ConversationPayload, Notice]:
-    """An assistant or system message for the conversation, and its announcement."""
-    item_id = event.item.id or f"item_{secrets.token_hex(8)}"
-    edit = ConversationPayload("add", item_id, role=event.item.role, text=text_of(event))
+    """An assistant or system message, or a function's result, for the conversation, and
+    its announcement."""
+    item = event.item
+    item_id = item.id or f"item_{secrets.token_hex(8)}"
+    if isinstance(item, FunctionCallOutputItem):
+        edit = ConversationPayload("add", item_id, role="tool", text=item.output,
+                                   call_id=item.call_id)  # fmt: skip
+    else:
+        edit = ConversationPayload("add", item_id, role=item.role, text=text_of(item))
     return edit, created_notice(event, item_id)
 
 
@@ -43,6 +61,46 @@ def created_notice(event: ItemCreate, item_id: str) -> Notice:
     item = {**event.item.model_dump(mode="json", exclude_none=True), "id": item_id,
             "object": "realtime.item", "status": "completed"}  # fmt: skip
     return {"type": "conversation.item.created", "item": item}
+
+
+def response_tools(event: ResponseCreate) -> ConversationPayload | None:
+    """The tools a ``response.create`` names for its one response (``response.tools``,
+    ``response.tool_choice``), as the edit that tells the model stage; None when it
+    names none (the session's apply)."""
+    try:
+        options = ResponseOptions.model_validate(event.response or {})
+    except ValidationError as exc:
+        raise invalid_event(event.type, exc, skip=0, whole="response") from exc
+    if options.tools is None and options.tool_choice is None:
+        return None
+    chosen: dict[str, str] = {}
+    if options.tools is not None:
+        chosen["tools"] = tools_text(options.tools) or "[]"
+    if options.tool_choice is not None:
+        chosen["tool_choice"] = choice_text(options.tool_choice)
+    return ConversationPayload("next_response", "", text=json.dumps(chosen))
+
+
+def check_output(
+    item: FunctionCallOutputItem,
+    translator: ServerEventTranslator,
+    min_epoch: int,
+    refused: set[str],
+) -> None:
+    """Refuse, once, a function's result for a call whose response was interrupted after
+    it (a barge-in or cancel moved the session on): the model is not asked about it
+    under the new epoch unless the client sends it again. A call this connection has
+    not seen (made before a resume) is taken as it comes."""
+    epoch = translator.calls.get(item.call_id)
+    current = max(min_epoch, translator.epoch)
+    if epoch is None or epoch >= current or item.call_id in refused:
+        return
+    refused.add(item.call_id)
+    raise ProtocolError(
+        ErrorCode.FUNCTION_CALL_STALE,
+        f"call {item.call_id!r} belongs to a response interrupted since; send the result "
+        "again to give it to the model anyway",
+    )
 
 
 def deleted(event: ItemDelete) -> tuple[ConversationPayload, Notice]:

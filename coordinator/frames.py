@@ -1,7 +1,9 @@
 """One response's output item and content parts, framed as the Realtime API frames them.
 
-A response of a duplexq pipeline is one assistant message (output index 0). Its
-content parts open on their first delta, in the order they appear: a ``text``
+A response of a duplexq pipeline is an assistant message and, when the model
+calls functions, one ``function_call`` item per call, each at the next output
+index in the order they came. The message's content parts open on their first
+delta, in the order they appear: a ``text``
 part (``response.output_text.*``) and an ``audio`` part that carries both the
 audio and its transcript (``response.output_audio.*`` and
 ``response.output_audio_transcript.*``), as the reference API does. When the
@@ -90,10 +92,15 @@ class ResponseFrame:
         self.item_id = item_id_for(response_id)
         self._parts: dict[str, _Part] = {}
         self.timeline = Timeline()
+        self._outputs = 0
+        """Output items opened so far (the next one's ``output_index``)."""
+        self._message_index = 0
+        self._calls: list[tuple[int, dict[str, Any]]] = []
+        """Function call items, with their output index."""
 
     def _ids(self, part: _Part | None = None) -> ServerEvent:
         ids: ServerEvent = {"response_id": self.response_id, "item_id": self.item_id,
-                            "output_index": 0}  # fmt: skip
+                            "output_index": self._message_index}  # fmt: skip
         if part is not None:
             ids["content_index"] = part.index
         return ids
@@ -106,9 +113,10 @@ class ResponseFrame:
     def _part(self, kind: str) -> tuple[_Part, list[ServerEvent]]:
         events: list[ServerEvent] = []
         if not self._parts:
+            self._message_index, self._outputs = self._outputs, self._outputs + 1
             item = self._item("in_progress")
             events.append({"type": "response.output_item.added", "response_id": self.response_id,
-                           "output_index": 0, "item": item})  # fmt: skip
+                           "output_index": self._message_index, "item": item})  # fmt: skip
             events.append({"type": "conversation.item.added", "item": item})
         part = self._parts.get(kind)
         if part is None:
@@ -137,6 +145,29 @@ class ResponseFrame:
         return [*events, {"type": "response.output_audio.delta", **self._ids(part),
                           "delta": delta_b64}]  # fmt: skip
 
+    def function_call(self, call_id: str, name: str, arguments: str) -> list[ServerEvent]:
+        """One whole function call: its item added, its arguments, its item done."""
+        index, self._outputs = self._outputs, self._outputs + 1
+        item_id = f"{self.item_id}_call{index}"
+        item: dict[str, Any] = {"id": item_id, "object": "realtime.item",
+                                "type": "function_call", "status": "in_progress",
+                                "call_id": call_id, "name": name, "arguments": ""}  # fmt: skip
+        ids = {"response_id": self.response_id, "item_id": item_id, "output_index": index}
+        done = {**item, "status": "completed", "arguments": arguments}
+        self._calls.append((index, done))
+        return [
+            {"type": "response.output_item.added", "response_id": self.response_id,
+             "output_index": index, "item": item},
+            {"type": "conversation.item.added", "item": item},
+            {"type": "response.function_call_arguments.delta", **ids, "call_id": call_id,
+             "delta": arguments},
+            {"type": "response.function_call_arguments.done", **ids, "call_id": call_id,
+             "name": name, "arguments": arguments},
+            {"type": "response.output_item.done", "response_id": self.response_id,
+             "output_index": index, "item": done},
+            {"type": "conversation.item.done", "item": done},
+        ]  # fmt: skip
+
     def end(
         self, status: str, reason: str = "", error: dict[str, Any] | None = None
     ) -> list[ServerEvent]:
@@ -154,15 +185,16 @@ class ResponseFrame:
                 if part.audio:
                     events.append({"type": "response.output_audio.done", **ids})
             events.append({"type": "response.content_part.done", **ids, "part": part.standard()})
-        output = []
+        output: list[tuple[int, dict[str, Any]]] = list(self._calls)
         if self._parts:
             item = self._item("completed" if status == "completed" else "incomplete")
             events.append({"type": "response.output_item.done", "response_id": self.response_id,
-                           "output_index": 0, "item": item})  # fmt: skip
+                           "output_index": self._message_index, "item": item})  # fmt: skip
             events.append({"type": "conversation.item.done", "item": item})
-            output.append(item)
+            output.append((self._message_index, item))
         response: dict[str, Any] = {"id": self.response_id, "object": "realtime.response",
-                                    "status": status, "output": output}  # fmt: skip
+                                    "status": status,
+                                    "output": [item for _, item in sorted(output)]}  # fmt: skip
         if status != "completed":
             response["status_details"] = _status_details(status, reason)
         if status == "failed" and error is not None:

@@ -31,6 +31,7 @@ from schemas.realtime import (
     AudioAppend,
     BargeIn,
     ClientEvent,
+    FunctionCallOutputItem,
     ItemCreate,
     OutputAudioClear,
     ResponseCancel,
@@ -94,7 +95,10 @@ def input_bytes(event: ClientEvent) -> int:
     if isinstance(event, VideoAppend):
         return _decoded_size(event.image)
     if isinstance(event, ItemCreate):
-        return sum(len(part.text.encode()) for part in event.item.content)
+        item = event.item
+        if isinstance(item, FunctionCallOutputItem):
+            return len(item.output.encode())
+        return sum(len(part.text.encode()) for part in item.content)
     return 0
 
 

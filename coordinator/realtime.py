@@ -157,6 +157,10 @@ class ServerEventTranslator:
         self.life = ResponseLife()
         self._frame_of: ResponseFrame | None = None
         """The streaming response's item and parts."""
+        self.calls: dict[str, int] = {}
+        """Function calls delivered (``call_id`` -> the epoch of their response)."""
+        self.epoch = 0
+        """The highest epoch of the journal items translated so far."""
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()
         """The spoken timelines of the latest responses, by item id (``timeline``)."""
         self._journal_seq = 0
@@ -177,6 +181,7 @@ class ServerEventTranslator:
 
     def translate(self, item: OutputEvent | ControlEvent, journal_seq: int) -> list[ServerEvent]:
         """Server events for one journal item (``journal_seq`` 0 for a barrier)."""
+        self.epoch = max(self.epoch, item.fence.epoch)
         events = self._control(item) if isinstance(item, ControlEvent) else self._output(item)
         if journal_seq:
             self._journal_seq, self._index = journal_seq, 0
@@ -270,6 +275,10 @@ class ServerEventTranslator:
             return events + frame.audio(base64.b64encode(out.data).decode("ascii"), _ms_of(out))
         if out.kind is OutputKind.TRANSCRIPT:
             return events + frame.transcript(out.text)
+        if out.kind is OutputKind.FUNCTION_CALL:
+            call_id = str(out.meta.get("call_id", f"call_{out.stage}_{out.seq}"))
+            self.calls[call_id] = out.fence.epoch
+            return events + frame.function_call(call_id, str(out.meta.get("name", "")), out.text)
         if out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
             return [*events, {"type": f"duplexq.response.{out.kind.value}",
                               "response_id": frame.response_id}]  # fmt: skip

@@ -62,6 +62,9 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     """A connection sent events faster than ``max_events_per_s`` allows; the event was
     refused, the connection goes on."""
+    FUNCTION_CALL_STALE = "function_call_stale"
+    """A function's result for a call whose response was interrupted since: refused
+    once, taken when the client sends it again."""
     ITEM_NOT_FOUND = "item_not_found"
     """``conversation.item.truncate`` of an item this connection knows no spoken audio of."""
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"

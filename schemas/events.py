@@ -121,19 +121,29 @@ class SettingsPayload(msgspec.Struct, frozen=True, tag="settings"):
     vad_prefix_padding_ms: int | None = None
     interrupt_response: bool = True
     """Speech starting over a response barges in on it."""
+    tools: str = ""
+    """The function tools the model may call, as ``schemas.tools.tools_text`` writes
+    them (empty: none)."""
+    tool_choice: str = "auto"
+    """``auto``, ``none``, ``required`` or ``function:<name>``."""
 
 
 class ConversationPayload(msgspec.Struct, frozen=True, tag="conversation"):
     """One edit of the conversation a model stage keeps (``EDIT_CONVERSATION``).
 
-    ``add``: a message of ``role`` (``assistant`` or ``system``) with ``text``, named
-    ``item_id``; ``delete``: the item ``item_id`` leaves the conversation; ``truncate``:
-    the assistant item ``item_id`` keeps only ``text``, what the user heard of it."""
+    ``add``: a message of ``role`` (``assistant``, ``system``, or ``tool``: the result
+    of the function call ``call_id``) with ``text``, named ``item_id``; ``delete``: the
+    item ``item_id`` leaves the conversation; ``truncate``: the assistant item
+    ``item_id`` keeps only ``text``, what the user heard of it; ``next_response``: the
+    tools of the response the next commit asks for, ``text`` holding
+    ``{"tools": ..., "tool_choice": ...}`` (``schemas.tools``)."""
 
     op: str
     item_id: str
     role: str = ""
     text: str = ""
+    call_id: str = ""
+    """For a ``tool`` message (a function's result): the call it answers."""
 
 
 Payload: TypeAlias = (
@@ -192,6 +202,9 @@ class OutputKind(StrEnum):
     SPEECH_STARTED = "speech_started"
     SPEECH_STOPPED = "speech_stopped"
     DONE = "done"
+    FUNCTION_CALL = "function_call"
+    """The model calls a function: ``text`` its arguments (JSON), ``meta["name"]`` the
+    function, ``meta["call_id"]`` the call's id."""
     ERROR = "error"
     NOTICE = "notice"
     """A coordinator's own server event (``text`` names its type, ``meta`` its fields),

@@ -34,6 +34,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from schemas.tools import FunctionTool, ToolChoice
+
 _MAX_TEXT = 32_768
 _MAX_B64 = 16 * 1024 * 1024
 
@@ -74,6 +76,8 @@ class SessionConfig(BaseModel):
     """A reference voice name (``alloy``, ``marin``, ...) or a voice of the TTS stage
     (espeak-ng's ``en-us``, ``en+f3``, ...): ``workers.backends.tts.VOICES``."""
     turn_detection: TurnDetection | None = TurnDetection()
+    tools: tuple[FunctionTool, ...] = Field((), max_length=64)
+    tool_choice: ToolChoice = "auto"
 
 
 class SessionUpdate(_Event):
@@ -125,9 +129,20 @@ class MessageItem(BaseModel):
     content: tuple[TextContent, ...] = Field(min_length=1, max_length=64)
 
 
+class FunctionCallOutputItem(BaseModel):
+    """The client's result of a function call the model made (``call_id``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str | None = Field(None, pattern=ITEM_ID)
+    type: Literal["function_call_output"]
+    call_id: str = Field(pattern=ITEM_ID)
+    output: str = Field(max_length=_MAX_TEXT)
+
+
 class ItemCreate(_Event):
     type: Literal["conversation.item.create"]
-    item: MessageItem
+    item: FunctionCallOutputItem | MessageItem
     previous_item_id: str | None = None
 
 

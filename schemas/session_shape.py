@@ -16,6 +16,7 @@ from typing import Any
 
 from schemas.events import SettingsPayload
 from schemas.realtime import SessionConfig
+from schemas.tools import choice_text, tools_text
 
 MODEL = "duplexq"
 _FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
@@ -43,11 +44,15 @@ def _ga_fields(session: dict[str, Any]) -> dict[str, Any]:
     sink = audio.get("output") or {}
     if "voice" in sink:
         fields["voice"] = sink["voice"]
+    for name in ("tools", "tool_choice"):
+        if name in session:
+            fields[name] = session[name]
     return fields
 
 
 BETA_FIELDS = ("instructions", "modalities", "input_audio_format", "input_audio_sample_rate",
-               "output_audio_format", "voice", "turn_detection")  # fmt: skip
+               "output_audio_format", "voice", "turn_detection", "tools",
+               "tool_choice")  # fmt: skip
 
 
 def merged(current: SessionConfig, update: dict[str, Any]) -> SessionConfig:
@@ -80,6 +85,12 @@ def session_object(session_id: str, config: SessionConfig) -> dict[str, Any]:
         "model": MODEL,
         "output_modalities": list(config.modalities or ("audio",)),
         "instructions": config.instructions or "",
+        "tools": [tool.model_dump() for tool in config.tools],
+        "tool_choice": (
+            config.tool_choice.model_dump()
+            if not isinstance(config.tool_choice, str)
+            else config.tool_choice
+        ),
         "audio": {"input": {"format": fmt, "turn_detection": detection}, "output": output},
     }
 
@@ -96,6 +107,8 @@ def stage_settings(config: SessionConfig) -> SettingsPayload:
         vad_silence_ms=detection.silence_duration_ms if detection else None,
         vad_prefix_padding_ms=detection.prefix_padding_ms if detection else None,
         interrupt_response=detection.interrupt_response if detection else False,
+        tools=tools_text(config.tools),
+        tool_choice=choice_text(config.tool_choice),
     )
 
 

@@ -557,3 +557,65 @@ async def test_e_the_sessions_instructions_replace_the_system_prompt(engine, set
         assert third.startswith(system.format("You are a stage default."))
     finally:
         await coordinator.aclose()
+
+
+@engine_test
+async def test_g_a_forced_call_and_its_result_go_through_the_model(engine, settings):
+    """tool_choice names a function: the engine is constrained to its arguments' schema;
+    the call joins the history, the client's result comes back as the tool's message."""
+    import json
+
+    from schemas.tools import FunctionTool, tools_text
+
+    schema = {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+              "required": ["tz"], "additionalProperties": False}  # fmt: skip
+    tools = tools_text((FunctionTool(name="get_time", description="now", parameters=schema),))
+    backend = backend_for(engine, max_tokens=24, temperature=0.0)
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        async with running_worker(settings, pipeline, STAGE, backend=backend):
+            await coordinator.open("s1")
+            forced = SettingsPayload(tools=tools, tool_choice="function:get_time")
+            await coordinator.append("s1", InputMode.UPDATE_SESSION, forced)
+            await coordinator.append("s1", "append_text", TextPayload("what time is it"))
+            await coordinator.commit("s1")
+            got = await read_until(coordinator, has_done)
+            [call] = outputs(got, OutputKind.FUNCTION_CALL)
+            assert not outputs(got, OutputKind.TEXT_DELTA)  # a forced call is no text
+            assert (call.meta["name"], call.meta["call_id"]) == ("get_time", "call_0_1_1_0")
+            assert json.loads(call.text)["tz"] in ("UTC", "CET")
+            # The result, then a free answer: the prompt holds the tools, the call and
+            # the result, as the model's own chat template writes them.
+            result = ConversationPayload("add", "item_r", role="tool", text="12:00",
+                                         call_id="call_0_1_1_0")  # fmt: skip
+            await coordinator.append("s1", InputMode.EDIT_CONVERSATION, result)
+            auto = SettingsPayload(tools=tools, tool_choice="auto")
+            await coordinator.append("s1", InputMode.UPDATE_SESSION, auto)
+            await coordinator.commit("s1")
+            more = await read_until(coordinator, has_done)
+            request_id = outputs(more, OutputKind.DONE)[0].meta["request_id"]
+            prompt = backend.records[request_id].prompt
+        assert '{"name": "get_time"' in prompt and "<tools>" in prompt
+        assert f'"arguments": {call.text}}}</tool_call>' in prompt
+        assert prompt.endswith(
+            "<|im_start|>user\n<tool_response>12:00</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        # Free text of the tiny model names no function: only text came.
+        assert not outputs(more, OutputKind.FUNCTION_CALL) and outputs(more, OutputKind.TEXT_DELTA)
+    finally:
+        await coordinator.aclose()
+
+
+@engine_test
+async def test_h_the_hermes_parser_finds_calls_in_free_text(engine):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    found = engine.parse_calls(
+        "hermes", 'One moment. <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}'
+        "</tool_call>", tools,
+    )  # fmt: skip
+    assert [(c.function.name, c.function.arguments) for c in found.tool_calls] == [
+        ("get_time", '{"tz": "UTC"}')
+    ]
+    assert found.content == "One moment. "

@@ -38,11 +38,31 @@ from typing import Any
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ 'You may call these functions:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool['function'] | tojson + '\n' }}{% endfor %}"
+    '{{ \'</tools>\nCall one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
+    " + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>' + message['content']"
+    " + '</tool_response><|im_end|>\n' }}"
+    "{% elif message.get('tool_calls') %}{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name']"
+    " + '\", \"arguments\": ' + call['function']['arguments'] + '}</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+"""ChatML, with tools as Qwen2.5's template renders them (the Hermes call format, which
+vLLM's ``hermes`` tool parser reads)."""
+TEMPLATE_VERSION = 2
+"""Bumped when the template changes: a directory built with an older one is rebuilt."""
 
 CORPUS = [
     "hello there, how are you doing today?",
@@ -75,7 +95,11 @@ def build_tiny_model(path: str | Path, *, extra_special_tokens: Sequence[str] = 
     overlap = set(extras) & set(SPECIAL_TOKENS)
     if overlap or len(set(extras)) != len(extras):
         raise ValueError(f"extra special tokens must be new and distinct, got {extras}")
-    marker = "ok\n" if not extras else f"ok {json.dumps(list(extras))}\n"
+    marker = (
+        f"ok v{TEMPLATE_VERSION}\n"
+        if not extras
+        else f"ok v{TEMPLATE_VERSION} {json.dumps(list(extras))}\n"
+    )
     ready = path / READY
     if ready.exists() and ready.read_text() == marker:
         return path

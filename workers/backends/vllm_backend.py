@@ -48,6 +48,7 @@ wrapper in ``vllm_engine``.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -55,12 +56,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.request_ids import make_request_id
-from schemas.events import OutputEvent, OutputKind
+from schemas.events import ConversationPayload, OutputEvent, OutputKind
 from schemas.fence import Fence
 from schemas.items import response_item
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
-from workers.backends.vllm_engine import SamplingSpec, VllmEngine
+from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine
 from workers.backends.vllm_history import (
     ChatHistory,
     Contribution,
@@ -74,6 +75,15 @@ from workers.backends.vllm_history import (
     released_by,
 )
 from workers.backends.vllm_options import VllmOptions, parse_options
+from workers.backends.vllm_tools import (
+    CALL_TAG,
+    Call,
+    CallGate,
+    ToolPlan,
+    call_id,
+    forced_calls,
+    plan_for,
+)
 
 log = logging.getLogger("duplexq.worker.vllm")
 
@@ -90,13 +100,21 @@ class SessionChat:
     """Responses being generated, by request id."""
     last_prompt: str = ""
     """The prompt text of the latest request (for logs and tests)."""
+    next_tools: dict[str, str] | None = None
+    """The tools a ``response.create`` named for the next response only."""
 
     def settle(self, request_id: str) -> Response | None:
-        """End a live response once: its produced text joins the history."""
+        """End a live response once: its produced text and calls join the history."""
         response = self.live.pop(request_id, None)
         if response is not None:
-            self.history.add_assistant(response.produced, response.item)
+            self.history.add_assistant(response.produced, response.item, response.calls)
         return response
+
+    def edit(self, edit: ConversationPayload) -> None:
+        if edit.op == "next_response":
+            self.next_tools = json.loads(edit.text or "{}")
+        else:
+            self.history.edit(edit)
 
 
 @dataclass
@@ -184,7 +202,7 @@ class VllmBackend:
             async for draft in self._respond(ctx, chat, event.seq, produced):
                 yield draft
         elif contribution is Contribution.EDIT:
-            chat.history.edit(edit_of(event))
+            chat.edit(edit_of(event))
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
         """Context only: a commit closes the user's message but asks for nothing; a
@@ -198,7 +216,7 @@ class VllmBackend:
             if carried is not None:
                 chat.history.add_assistant(*carried)
         elif contribution is Contribution.EDIT:
-            chat.history.edit(edit_of(event))
+            chat.edit(edit_of(event))
 
     async def release(self, ctx: StageContext, fence: Fence) -> None:
         self.released.append(fence)
@@ -230,31 +248,33 @@ class VllmBackend:
             chat.history.add_assistant(carried, response_item(ctx.fence))
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
             return
-        prompt_ids = await self._prompt(chat, carried, ctx.session.instructions)
+        plan = plan_for(ctx.session, chat.next_tools)
+        chat.next_tools = None
+        prompt_ids = await self._prompt(chat, carried, ctx.session.instructions, plan)
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
         item = response_item(ctx.fence)
         response = chat.live[request_id] = Response(request_id, seq, item, carried)
         record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
         spec = SamplingSpec(
-            max_tokens, self.options.temperature, self.options.top_p, self.options.seed
-        )
+            max_tokens, self.options.temperature, self.options.top_p, self.options.seed,
+            plan.schema(),
+        )  # fmt: skip
+        gate = CallGate() if plan.active else None
         finish: str | None = None
         try:
             async for step in self.engine.generate(prompt_ids, spec, request_id):
                 if request_id not in chat.live or step.finish_reason == "abort":
                     break  # released meanwhile: nothing more for this request
-                if step.text or step.token_ids:
-                    response.add(step.text, step.token_ids)
-                    record.tokens += len(step.token_ids)
-                    yield OutputDraft(
-                        OutputKind.TEXT_DELTA,
-                        text=step.text,
-                        token_ids=step.token_ids,
-                        meta={"request_id": request_id},
-                        flush=True,
-                    )
                 finish = step.finish_reason
+                if not (step.text or step.token_ids):
+                    continue
+                record.tokens += len(step.token_ids)
+                for ready in _streamable(plan, gate, step):
+                    yield self._delta(response, ready, request_id)
+            if finish is not None and gate is not None and request_id in chat.live:
+                for draft in self._answer_end(plan, gate, ctx, response, request_id):
+                    yield draft
         except BackendError:
             record.outcome = "failed"
             raise
@@ -268,7 +288,53 @@ class VllmBackend:
                 meta={"request_id": request_id, "finish_reason": finish, "tokens": record.tokens},
             )
 
-    async def _prompt(self, chat: SessionChat, carried: Produced, instructions: str) -> list[int]:
+    @staticmethod
+    def _delta(response: Response, step: EngineStep, request_id: str) -> OutputDraft:
+        """A text delta of the answer (it joins what the user got of the response)."""
+        response.add(step.text, step.token_ids)
+        return OutputDraft(OutputKind.TEXT_DELTA, text=step.text, token_ids=step.token_ids,
+                           meta={"request_id": request_id}, flush=True)  # fmt: skip
+
+    def _answer_end(
+        self, plan: ToolPlan, gate: CallGate, ctx: StageContext, response: Response,
+        request_id: str,
+    ) -> list[OutputDraft]:  # fmt: skip
+        """What an answer with tools ends with: its calls, or the text held back for a
+        call tag that never came."""
+        calls = self._calls(plan, gate, ctx)
+        response.calls = [call.chat() for call in calls]
+        drafts = [] if calls or plan.forced else [
+            self._delta(response, ready, request_id) for ready in gate.flush()
+        ]  # fmt: skip
+        if calls and plan.forced is None:
+            # Text before the tag that was held back with it (in the same step).
+            said, before = "".join(response.text), gate.text.split(CALL_TAG, 1)[0]
+            if len(before) > len(said) and before.startswith(said):
+                step = EngineStep(before[len(said) :], (), None)
+                drafts.append(self._delta(response, step, request_id))
+        meta = [{"call_id": call.call_id, "name": call.name} for call in calls]
+        return drafts + [
+            OutputDraft(OutputKind.FUNCTION_CALL, text=call.arguments, meta=named)
+            for call, named in zip(calls, meta, strict=True)
+        ]
+
+    def _calls(self, plan: ToolPlan, gate: CallGate, ctx: StageContext) -> list[Call]:
+        """The function calls an answer made: its constrained JSON, or what vLLM's tool
+        parser finds from the call tag on."""
+        if plan.forced is not None:
+            return forced_calls(plan, gate.text, ctx.fence)
+        if not gate.calling:
+            return []
+        parsed = self.engine.parse_calls(self.options.tool_parser, gate.text, plan.tools)
+        return [
+            Call(call_id(ctx.fence, index), str(found.function.name),
+                 str(found.function.arguments))
+            for index, found in enumerate(getattr(parsed, "tool_calls", []) or [])
+        ]  # fmt: skip
+
+    async def _prompt(
+        self, chat: SessionChat, carried: Produced, instructions: str, plan: ToolPlan
+    ) -> list[int]:
         """Token ids of the next prompt: the fitted history, then any carried deltas. The
         session's instructions (``session.update``) replace the stage's system prompt."""
         await self.engine.ready()
@@ -280,8 +346,17 @@ class VllmBackend:
             chat.history.drop_last_user()
             log.warning("%s: %s; the message is dropped", self.options.model, exc)
             raise BackendError(str(exc)) from exc
-        text = self.engine.render(messages)
+        text = self.engine.render(messages, plan.tools if plan.active else ())
         chat.last_prompt = text + carried.text
         return self.engine.encode(text) + list(carried.token_ids)
 
     # -- bookkeeping -----------------------------------------------------------------------
+
+
+def _streamable(plan: ToolPlan, gate: CallGate | None, step: EngineStep) -> list[EngineStep]:
+    """The steps that stream now as text: all of them without tools, none of a forced
+    call (JSON), and what the call gate lets through otherwise."""
+    if gate is None:
+        return [step]
+    ready: list[EngineStep] = gate.feed(step, step.text)
+    return [] if plan.forced is not None else ready

@@ -30,6 +30,12 @@ from workers.backends.base import BackendError
 from workers.backends.model_source import resolve_model
 from workers.backends.vllm_history import ChatMessages
 from workers.backends.vllm_options import VllmOptions
+from workers.backends.vllm_tools import (
+    describe,
+    plain_history,
+    template_renders_tools,
+    with_system_note,
+)
 
 log = logging.getLogger("duplexq.worker.vllm")
 
@@ -90,6 +96,8 @@ class SamplingSpec(NamedTuple):
     temperature: float
     top_p: float
     seed: int | None
+    json_schema: dict[str, Any] | None = None
+    """Constrain the output to JSON of this schema (a forced function call)."""
 
 
 def _vllm(module: str) -> Any:
@@ -207,11 +215,22 @@ class VllmEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def render(self, chat: ChatMessages) -> str:
-        """The prompt text of a chat, ending with the assistant's turn opening."""
+    def render(self, chat: ChatMessages, tools: Sequence[dict[str, Any]] = ()) -> str:
+        """The prompt text of a chat, ending with the assistant's turn opening; ``tools``
+        go to the chat template when it renders tools, else into a system message
+        (``vllm_tools``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        kwargs: dict[str, Any] = {}
+        if template_renders_tools(template):
+            if tools:
+                kwargs["tools"] = list(tools)
+        else:
+            chat = plain_history(chat)
+            if tools:
+                chat = with_system_note(chat, describe(tools))
         try:
             text = self.tokenizer.apply_chat_template(
-                chat, tokenize=False, add_generation_prompt=True
+                chat, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except Exception as exc:  # jinja errors, a tokenizer without a template
             raise BackendError(f"cannot apply the chat template: {exc}") from exc
@@ -230,6 +249,9 @@ class VllmEngine:
 
     def _sampling(self, spec: SamplingSpec) -> Any:
         sampling = _vllm("vllm.sampling_params")
+        structured = None
+        if spec.json_schema is not None:
+            structured = sampling.StructuredOutputsParams(json=spec.json_schema)
         return sampling.SamplingParams(
             max_tokens=spec.max_tokens,
             temperature=spec.temperature,
@@ -237,7 +259,20 @@ class VllmEngine:
             seed=spec.seed,
             skip_special_tokens=True,
             output_kind=sampling.RequestOutputKind.DELTA,
+            structured_outputs=structured,
         )
+
+    def parse_calls(self, parser_name: str, text: str, tools: Sequence[dict[str, Any]]) -> Any:
+        """vLLM's tool parser ``parser_name`` run over a whole answer: its
+        ``ExtractedToolCallInformation`` (``tool_calls``, ``content``)."""
+        parsers = _vllm("vllm.tool_parsers")
+        protocol = _vllm("vllm.entrypoints.openai.chat_completion.protocol")
+        parser = parsers.ToolParserManager.get_tool_parser(parser_name)(self.tokenizer)
+        request = protocol.ChatCompletionRequest(
+            model=self.options.model, messages=[{"role": "user", "content": ""}],
+            tools=list(tools),
+        )  # fmt: skip
+        return parser.extract_tool_calls(text, request)
 
     async def generate(
         self, prompt_ids: Sequence[int], spec: SamplingSpec, request_id: str

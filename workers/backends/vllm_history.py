@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Literal
+from typing import Any, Literal
 
 from dataplane.request_ids import parse_request_id
 from schemas.events import (
@@ -63,9 +63,9 @@ from workers.backends.base import StageEvent
 
 Part = str | tuple[int, ...]
 """A piece of user input: text, or token ids (decoded when a prompt is rendered)."""
-Role = Literal["user", "assistant", "system"]
+Role = Literal["user", "assistant", "system", "tool"]
 Decode = Callable[[Sequence[int]], str]
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class Contribution(Enum):
@@ -101,6 +101,13 @@ def edit_of(event: StageEvent) -> ConversationPayload:
     edit = session_payload_of(event)
     assert isinstance(edit, ConversationPayload)
     return edit
+
+
+def call_of(output: OutputEvent) -> dict[str, Any]:
+    """A published function call as a chat template's ``tool_calls`` entry."""
+    return {"id": str(output.meta.get("call_id", "")), "type": "function",
+            "function": {"name": str(output.meta.get("name", "")),
+                         "arguments": output.text}}  # fmt: skip
 
 
 def item_of(event: StageEvent) -> str:
@@ -139,9 +146,22 @@ class Message:
     parts: list[Part]
     items: list[str]
     """The item each part came from (parallel to ``parts``)."""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    """An assistant message's function calls (``tool_calls`` entries)."""
+    call_id: str = ""
+    """A ``tool`` message's call (the result answers it)."""
 
     def render(self, decode: Decode) -> str:
         return "".join(p if isinstance(p, str) else decode(p) for p in self.parts)
+
+    def chat(self, decode: Decode) -> dict[str, Any]:
+        """The message as a chat template takes it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.render(decode)}
+        if self.calls:
+            message["tool_calls"] = list(self.calls)
+        if self.call_id:
+            message["tool_call_id"] = self.call_id
+        return message
 
 
 @dataclass(slots=True)
@@ -157,6 +177,8 @@ class Response:
     """Delivered before this request started (by a previous owner of the session)."""
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    """The function calls it made (``tool_calls`` entries), once it ended."""
 
     def add(self, text: str, token_ids: Sequence[int]) -> None:
         self.text.append(text)
@@ -200,14 +222,21 @@ class ChatHistory:
             self.pending.clear()
         return self.carried.pop(seq, None)
 
-    def add_assistant(self, produced: Produced, item: str = "") -> None:
-        if produced.text:
+    def add_assistant(
+        self, produced: Produced, item: str = "", calls: Sequence[dict[str, Any]] = ()
+    ) -> None:
+        """The assistant's part of a response: the text delivered and the calls made."""
+        if produced.text or calls:
             self._append("assistant", [produced.text], [item])
+            self.messages[-1].calls.extend(calls)
 
     def edit(self, edit: ConversationPayload) -> None:
         """Apply a client's edit (``ConversationPayload``); an item the history does not
         hold (never seen, or gone with the oldest messages) changes nothing."""
-        if edit.op == "add" and edit.role in ("assistant", "system") and edit.text:
+        if edit.op == "add" and edit.role == "tool":
+            self.messages.append(Message("tool", [edit.text], [edit.item_id],
+                                         call_id=edit.call_id))  # fmt: skip
+        elif edit.op == "add" and edit.role in ("assistant", "system") and edit.text:
             self._append("assistant" if edit.role == "assistant" else "system",
                          [edit.text], [edit.item_id])  # fmt: skip
         elif edit.op == "delete":
@@ -240,12 +269,14 @@ class ChatHistory:
                 del parts[0], items[0]
             while parts and parts[-1] == "\n":
                 del parts[-1], items[-1]
-            if parts:
-                kept.append(Message(message.role, parts, items))
+            if parts or message.calls:
+                kept.append(Message(message.role, parts, items, message.calls, message.call_id))
         self.messages = kept
 
     def awaits_answer(self) -> bool:
-        return bool(self.messages) and self.messages[-1].role == "user"
+        """The last message is the user's, or a function's result the model has not
+        seen yet."""
+        return bool(self.messages) and self.messages[-1].role in ("user", "tool")
 
     def drop_last_user(self) -> None:
         if self.awaits_answer():
@@ -270,7 +301,7 @@ class ChatHistory:
     def chat(self, decode: Decode, system: str | None = None, start: int = 0) -> ChatMessages:
         """Messages from ``start`` on, as a chat template takes them."""
         chat: ChatMessages = [{"role": "system", "content": system}] if system else []
-        chat += [{"role": m.role, "content": m.render(decode)} for m in self.messages[start:]]
+        chat += [m.chat(decode) for m in self.messages[start:]]
         return chat
 
     def fit(
@@ -295,8 +326,11 @@ def rebuild(
 ) -> None:
     """Replay recorded inputs and this stage's accepted outputs into ``history``."""
     answers: dict[int, tuple[Produced, str]] = {}
+    calls: dict[int, list[dict[str, Any]]] = {}
     for output in outputs:
-        if output.kind is OutputKind.TEXT_DELTA:
+        if output.kind is OutputKind.FUNCTION_CALL:
+            calls.setdefault(output.source_seq, []).append(call_of(output))
+        elif output.kind is OutputKind.TEXT_DELTA:
             delta = Produced(output.text, output.token_ids)
             so_far = answers.get(output.source_seq, (Produced(), ""))[0]
             answers[output.source_seq] = (so_far + delta, response_item(output.fence))
@@ -308,7 +342,8 @@ def rebuild(
             history.add_user(part, item_of(event))
         elif contribution is Contribution.COMMIT:
             history.close_user(event.seq)
-            history.add_assistant(*answers.get(event.seq, (Produced(), "")))
+            history.add_assistant(*answers.get(event.seq, (Produced(), "")),
+                                  calls.get(event.seq, ()))  # fmt: skip
         elif contribution is Contribution.EDIT:
             history.edit(edit_of(event))
     history.carried = {seq: done for seq, done in answers.items() if seq > last_seq}

@@ -47,6 +47,10 @@ class VllmOptions(BaseModel):
     """Most user/assistant messages kept in a session's history (oldest dropped first)."""
     history_max_tokens: int | None = Field(None, ge=16)
     """Token budget of a prompt; default ``max_model_len - max_tokens``."""
+    tool_parser: str = Field("hermes", pattern=r"^[a-z0-9_]{1,40}$")
+    """vLLM's tool-call parser for the model family (``hermes``: Qwen2.5, Hermes, the
+    tiny test model, and any model prompted through duplexq's Hermes-format tool
+    note); see ``vllm_tools``."""
     fallback_model_dir: str | None = None
     """Where to build a tiny local model when ``model`` is neither local, cached nor
     downloadable (logged as a warning); unset: such a model is an error."""
@@ -89,6 +93,9 @@ class VllmOptions(BaseModel):
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.seed is not None:
             kwargs["seed"] = self.seed
+        # Forced function calls generate compact JSON (no whitespace to wander in).
+        kwargs["structured_outputs_config"] = {"backend": "xgrammar",
+                                               "disable_any_whitespace": True}  # fmt: skip
         return kwargs
 
 
