@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dataplane.config import load_pipeline_or_echo, load_settings
+from dataplane.config import load_pipeline_for, load_settings
 from schemas.events import OutputEvent
 from schemas.fence import Fence
 from workers.backends import StageBackend, StageContext, create_backend
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
     settings = load_settings(None, None)
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    pipeline = load_pipeline_for(settings, args.pipeline)
     backend = TracedBackend(create_backend(pipeline.stage(args.stage)), args.trace)
     worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, backend=backend)
 

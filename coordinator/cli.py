@@ -21,13 +21,18 @@ from pathlib import Path
 
 from coordinator import control, replay
 from coordinator.inspect import inspect_session, list_sessions, render_session
-from coordinator.local_stack import LocalStack, demonstrate
+from coordinator.local_stack import LocalStack, check_stage_options, demonstrate
 from dataplane.bus import RedisBus
-from dataplane.config import load_pipeline_or_echo, load_settings
-from schemas.config import PipelineConfig, Settings, load_pipeline
+from dataplane.config import (
+    RedisUnreachable,
+    ensure_redis,
+    load_pipeline_for,
+    load_settings,
+    pipeline_path,
+    redacted,
+)
+from schemas.config import ConfigError, PipelineConfig, Settings
 from schemas.keys import Keys
-
-DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -36,13 +41,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="overrides settings.redis_url")
 
 
-def _pipeline_for_up(path: Path | None) -> tuple[PipelineConfig, Path]:
-    chosen = path or DEFAULT_PIPELINE
-    return load_pipeline(chosen), chosen
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     settings = load_settings(args.settings, args.redis_url)
+    if settings.models_dir == Settings.model_fields["models_dir"].default:
+        # Everything one `up` writes lives in its workdir; setup prepares var/models.
+        models = Path(args.workdir).resolve() / "models"
+        settings = settings.model_copy(update={"models_dir": str(models)})
+    pipeline = load_pipeline_for(settings, args.pipeline)
+    chosen = pipeline_path(settings, args.pipeline).resolve()
+    check_stage_options(chosen, settings)
     key_note = "API key: one of DUPLEXQ_API_KEYS" if settings.api_keys else "no API key needed"
     if not settings.api_keys and not settings.allow_anonymous:
         # A fresh key for this run, in a file only its owner reads: never printed, so it
@@ -54,12 +61,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         key_file.chmod(0o600)
         key_file.write_text(settings.api_keys[0] + "\n")
         key_note = f"API key for this run: in {key_file}"
-    if settings.models_dir == Settings.model_fields["models_dir"].default:
-        # Everything one `up` writes lives in its workdir; setup prepares var/models.
-        models = Path(args.workdir).resolve() / "models"
-        settings = settings.model_copy(update={"models_dir": str(models)})
-    pipeline, pipeline_path = _pipeline_for_up(args.pipeline)
-    stack = LocalStack(settings, pipeline_path.resolve(), Path(args.workdir).resolve())
+    stack = LocalStack(settings, chosen, Path(args.workdir).resolve())
     try:
         if not args.redis_url:
             stack.start_redis()
@@ -95,7 +97,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.app import create_app
 
     settings = load_settings(args.settings, args.redis_url)
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    pipeline = load_pipeline_for(settings, args.pipeline)
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
     app = create_app(settings, pipeline)
@@ -122,16 +124,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_sessions(args: argparse.Namespace) -> int:
     settings = load_settings(args.settings, args.redis_url)
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    pipeline = load_pipeline_for(settings, args.pipeline)
     return asyncio.run(_sessions(settings, pipeline, args.session_id))
 
 
 async def _sessions(settings: Settings, pipeline: PipelineConfig, session_id: str | None) -> int:
+    await ensure_redis(settings.redis_url)
     bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
     try:
         if session_id is None:
-            for sid in await list_sessions(bus):
+            sessions = await list_sessions(bus)
+            for sid in sessions:
                 print(sid)
+            if not sessions:
+                print(f"no open sessions in Redis at {redacted(settings.redis_url)}",
+                      file=sys.stderr)  # fmt: skip
             return 0
         try:
             print(render_session(await inspect_session(bus, pipeline, session_id)))
@@ -184,9 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A configuration mistake is one line and exit code 2; Redis
+    not answering is one line and exit code 1."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except ConfigError as exc:
+        print(f"duplexq {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RedisUnreachable as exc:
+        print(f"duplexq {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return result
 
 

@@ -511,9 +511,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def control_command(args: argparse.Namespace) -> int:
-    from dataplane.config import load_pipeline_or_echo, load_settings
+    from dataplane.config import RedisUnreachable, ensure_redis, load_pipeline_for, load_settings
 
     settings = load_settings(args.settings, args.redis_url)
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    pipeline = load_pipeline_for(settings, args.pipeline)
+    try:
+        asyncio.run(ensure_redis(settings.redis_url))
+    except RedisUnreachable as exc:
+        if args.burst:
+            raise
+        # Said at once; the long-running control plane then keeps trying (arq retries).
+        log.error("%s; retrying", exc)
     worker = asyncio.run(run_control(settings, pipeline, burst=args.burst))
     return 1 if worker.jobs_failed else 0

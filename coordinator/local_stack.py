@@ -23,7 +23,7 @@ from pathlib import Path
 
 from coordinator.hub import terminal_stages
 from coordinator.service import Coordinator
-from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
+from schemas.config import REDIS_PERSISTENCE, ConfigError, PipelineConfig, Settings
 from schemas.events import OutputEvent, OutputKind, TextPayload
 
 
@@ -37,6 +37,19 @@ def _env_for(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
     env.update(settings.to_env())
     return env
+
+
+def check_stage_options(pipeline_path: Path, settings: Settings) -> None:
+    """ConfigError, in one line, when a stage's options are wrong (a misspelt vLLM
+    option, say), before anything starts. The workers' own code checks them
+    (``python -m workers --check``; the coordinator does not import the workers)."""
+    args = [sys.executable, "-m", "workers", "--check", "--pipeline", str(pipeline_path)]
+    done = subprocess.run(args, env=_env_for(settings), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [line.removeprefix("error: ") for line in done.stderr.splitlines() if line.strip()]
+        if done.returncode != 2:  # not a verdict on the options: show how it ended
+            lines = [f"checking the stages' options failed: {(lines or ['no output'])[-1]}"]
+        raise ConfigError("; ".join(lines))
 
 
 class LocalStack:

@@ -63,9 +63,13 @@ POLL_S = 0.05
 # -- comparing outputs (pure) ---------------------------------------------------------
 
 
-def output_key(event: OutputEvent) -> tuple[str, str, str, bytes, tuple[int, ...]]:
-    """What makes two outputs the same for a replay: (stage, kind, text, data, token ids)."""
-    return event.stage, event.kind.value, event.text, event.data, event.token_ids
+def output_key(event: OutputEvent) -> tuple[str, str, str, bytes, tuple[int, ...], str]:
+    """What makes two outputs the same for a replay: (stage, kind, text, data, token ids,
+    and for a function call the function and the call's id)."""
+    call = ""
+    if event.kind is OutputKind.FUNCTION_CALL:
+        call = f"{event.meta.get('name', '')}:{event.meta.get('call_id', '')}"
+    return event.stage, event.kind.value, event.text, event.data, event.token_ids, call
 
 
 def summarize(event: OutputEvent | None) -> str:
@@ -385,10 +389,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
-    from dataplane.config import load_pipeline_or_echo, load_settings
+    from dataplane.config import ensure_redis, load_pipeline_for, load_settings
 
     settings = load_settings(args.settings, args.redis_url)
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    pipeline = load_pipeline_for(settings, args.pipeline)
+    asyncio.run(ensure_redis(settings.redis_url))
     if args.enqueue:
         from coordinator.control import enqueue_replay
 

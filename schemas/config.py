@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "always")
 """How every Redis that duplexq starts persists (``up``, compose, the tests).
@@ -107,6 +107,9 @@ class Settings(_Model):
     """Address the coordinator's HTTP/WebSocket server binds."""
     port: int = Field(8080, ge=0, le=65535)
     """Port of the coordinator's HTTP/WebSocket server (0: any free port)."""
+    pipeline: str = ""
+    """Pipeline file (.toml/.json) every command serves unless given ``--pipeline``;
+    empty: the shipped ``configs/default.toml``."""
     models_dir: str = Field("var/models", min_length=1)
     """Where prepared models live: ``package:NAME`` models and the tiny fallback model
     (``docs/models.md``). ``duplexq up`` uses ``<workdir>/models``."""
@@ -272,20 +275,58 @@ class PipelineConfig(_Model):
         return tuple(stage.name for stage in self.stages if stage.input == name)
 
 
+class ConfigError(ValueError):
+    """A configuration mistake, said in one line that names the file and the field."""
+
+
+def problems(exc: ValidationError) -> str:
+    """Every error of a pydantic validation as ``field: message``, joined into one line."""
+    errors = exc.errors()
+    seen: list[str] = []
+    for err in errors:
+        loc = err["loc"]
+        # A tuple whose items failed also reports itself too short: the items say why.
+        if err["type"] == "too_short" and any(
+            len(other["loc"]) > len(loc) and other["loc"][: len(loc)] == loc for other in errors
+        ):
+            continue
+        where = ".".join(str(part) for part in loc) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error":
+            message = f"must be one of {err['ctx']['expected']}"
+        elif err["type"] == "extra_forbidden":
+            message = "unknown setting"
+        line = f"{where}: {message}"
+        if line not in seen:
+            seen.append(line)
+    return "; ".join(seen)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or JSON file into a mapping (by extension)."""
+    """Read a TOML or JSON file into a mapping (by extension); ConfigError if unreadable."""
     path = Path(path)
     if path.suffix not in (".json", ".toml"):
-        raise ValueError(f"config {path} must be .toml or .json")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        raise ConfigError(f"config {path} must be .toml or .json")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ConfigError(f"config {path}: malformed {kind}: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"config {path} must hold a table at the top level")
+        raise ConfigError(f"config {path} must hold a table at the top level")
     return data
 
 
 def load_pipeline(path: str | Path) -> PipelineConfig:
-    return PipelineConfig.model_validate(load_mapping(path))
+    """The pipeline in ``path``; ConfigError naming the file and every bad field."""
+    try:
+        return PipelineConfig.model_validate(load_mapping(path))
+    except ValidationError as exc:
+        raise ConfigError(f"pipeline {path}: {problems(exc)}") from exc
 
 
 def echo_pipeline(*names: str) -> PipelineConfig:

@@ -45,12 +45,16 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
     assert (tmp_path / "logs" / "thinker-0.log").exists()
 
 
-async def test_sessions_inspect(redis_server, key_prefix, capsys, monkeypatch):
+async def test_sessions_inspect(redis_server, key_prefix, capsys, monkeypatch, tmp_path):
     from coordinator.service import Coordinator
     from schemas.config import echo_pipeline
+    from tests.processes import write_pipeline
 
+    # The pipeline comes from the settings (DUPLEXQ_PIPELINE), as for every command.
+    pipeline = echo_pipeline("echo")
     settings = fast_settings(redis_server.url, key_prefix)
-    coordinator = Coordinator(settings, echo_pipeline("echo"))
+    settings = settings.model_copy(update={"pipeline": str(write_pipeline(tmp_path, pipeline))})
+    coordinator = Coordinator(settings, pipeline)
     try:
         await coordinator.open("sx")
         await coordinator.append("sx", "append_text", TextPayload("a"))

@@ -10,15 +10,27 @@ import signal
 import sys
 from pathlib import Path
 
-from dataplane.config import load_pipeline_or_echo, load_settings
+from dataplane.config import (
+    RedisUnreachable,
+    check_stage,
+    ensure_redis,
+    load_pipeline_for,
+    load_settings,
+    pipeline_path,
+)
 from dataplane.logs import setup_logging
 from dataplane.metrics import serve_metrics
+from schemas.config import ConfigError
+from workers.check import pipeline_problems
 from workers.runtime import Worker
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
-    parser.add_argument("--stage", required=True, help="stage name from the pipeline config")
+    parser.add_argument("--stage", help="stage name from the pipeline config")
+    parser.add_argument(
+        "--check", action="store_true", help="check every stage's options, load nothing, exit"
+    )
     parser.add_argument("--pipeline", type=Path, help="pipeline file (.toml/.json)")
     parser.add_argument("--settings", type=Path, help="settings file (.toml/.json)")
     parser.add_argument("--redis-url", help="overrides settings.redis_url")
@@ -45,13 +57,34 @@ async def serve(worker: Worker, metrics_port: int | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 after a clean stop, 1 when the worker failed, 2 for a configuration
+    mistake (said in one line)."""
     args = parse_args(argv)
+    try:
+        settings = load_settings(args.settings, args.redis_url)
+        path = pipeline_path(settings, args.pipeline)
+        pipeline = load_pipeline_for(settings, args.pipeline)
+        if args.check:
+            problems = pipeline_problems(pipeline)
+            for line in problems:
+                print(f"error: pipeline {path}: {line}", file=sys.stderr)
+            return 2 if problems else 0
+        if not args.stage:
+            raise ConfigError("--stage is required (or --check)")
+        check_stage(pipeline, args.stage, path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     setup_logging(args.log_level)
-    settings = load_settings(args.settings, args.redis_url)
     # Backends find prepared models through the environment, which vLLM's own engine
     # processes inherit (workers.backends.packaged_model).
     os.environ["DUPLEXQ_MODELS_DIR"] = settings.models_dir
-    pipeline = load_pipeline_or_echo(args.pipeline)
+    try:
+        asyncio.run(ensure_redis(settings.redis_url))
+    except RedisUnreachable as exc:
+        # Said at once; a long-running worker then keeps trying, as it does when Redis
+        # goes away later, so a worker may start before its Redis.
+        logging.getLogger("duplexq.worker").error("%s; retrying", exc)
     worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
     try:
         asyncio.run(serve(worker, args.metrics_port))
