@@ -386,6 +386,31 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.set_defaults(func=replay_command)
 
 
+def sampled_stages(pipeline: PipelineConfig) -> list[str]:
+    """Model stages whose answers vary from run to run: sampling (temperature above 0)
+    with no fixed seed. Their replays differ even when nothing else does."""
+    found = []
+    for stage in pipeline.stages:
+        if stage.backend not in ("vllm", "minicpmo"):
+            continue
+        temperature = float(stage.options.get("temperature", 0.7))
+        if temperature > 0 and stage.options.get("seed") is None:
+            found.append(f"{stage.name} (temperature {temperature:g}, no seed)")
+    return found
+
+
+def sampling_hint(pipeline: PipelineConfig) -> str | None:
+    """Why a replay of ``pipeline`` may differ although nothing is wrong, if it may."""
+    sampled = sampled_stages(pipeline)
+    if not sampled:
+        return None
+    return (
+        f"  note: {', '.join(sampled)} samples its answers, so they differ from run to run; "
+        "for comparable replays serve the pipeline greedily (temperature = 0) or with a "
+        "fixed seed (see docs/models.md)"
+    )
+
+
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
@@ -423,4 +448,6 @@ def replay_command(args: argparse.Namespace) -> int:
         print(f"replay failed: {exc.message}", file=sys.stderr)
         return 2
     print(report.summary())
+    if not report.identical and (hint := sampling_hint(pipeline)) is not None:
+        print(hint)
     return 0 if report.identical else 1

@@ -270,3 +270,19 @@ async def test_replay_job_runs_once_on_the_control_plane(settings, coordinator):
     assert info.result["comparison"]["matched"] == 6
     # Done within the result's lifetime: asking again still does nothing.
     assert not await enqueue_replay(settings, "src", "job1")
+
+
+def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
+    from coordinator.replay import sampled_stages, sampling_hint
+    from schemas.config import load_pipeline
+    from tests.processes import ROOT
+
+    shipped = load_pipeline(ROOT / "configs" / "default.toml")
+    assert sampled_stages(shipped) == ["thinker (temperature 0.7, no seed)"]
+    hint = sampling_hint(shipped)
+    assert hint is not None and "temperature = 0" in hint and "fixed seed" in hint
+    greedy = [
+        s.model_copy(update={"options": {**s.options, "temperature": 0.0}}) for s in shipped.stages
+    ]
+    assert sampling_hint(shipped.model_copy(update={"stages": tuple(greedy)})) is None
+    assert sampling_hint(load_pipeline(ROOT / "configs" / "echo.toml")) is None
