@@ -146,28 +146,29 @@ class _Caller(EchoBackend):
     def __init__(self, *, step_ms: int = 0) -> None:
         super().__init__()
         self.results: list[ConversationPayload] = []
+        """Every function result given to this thinker, any session."""
         self.step_s = step_ms / 1000
-        self._said = ""
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
         edit = session_payload_of(event) if isinstance(event, InputEvent) else None
         if isinstance(edit, ConversationPayload) and edit.role == "tool":
             self.results.append(edit)
+            ctx.state["result"] = edit.text
 
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
         if not isinstance(event, InputEvent):
             return
         if not isinstance(event.payload, CommitPayload):
-            self._said = getattr(event.payload, "text", "")
+            ctx.state["said"] = getattr(event.payload, "text", "")
             return
-        if self.results and self.results[-1].text and not self._said:
-            yield OutputDraft(OutputKind.TEXT_DELTA, text=f"result: {self.results[-1].text}")
+        said, result = ctx.state.pop("said", ""), ctx.state.pop("result", "")
+        if result and not said:
+            yield OutputDraft(OutputKind.TEXT_DELTA, text=f"result: {result}")
         elif ctx.session.tools:
             await asyncio.sleep(self.step_s)  # the model deliberating
             name = json.loads(ctx.session.tools)[0]["function"]["name"]
-            yield OutputDraft(OutputKind.FUNCTION_CALL, text=json.dumps({"q": self._said}),
+            yield OutputDraft(OutputKind.FUNCTION_CALL, text=json.dumps({"q": said}),
                               meta={"call_id": f"call_{event.seq}", "name": name})  # fmt: skip
-        self._said = ""
         yield OutputDraft(OutputKind.DONE)
 
 
@@ -299,3 +300,38 @@ async def test_a_call_of_a_cancelled_response_never_reaches_the_client(settings)
     kinds = [e["type"] for e in seen]
     assert "duplexq.response.cancelled" in kinds
     assert not [k for k in kinds if "function_call" in k]
+
+
+async def test_a_session_with_calls_replays_with_its_results_fed_back(settings):
+    from coordinator.replay import replay_session
+    from coordinator.service import Coordinator
+    from schemas.events import InputMode, SettingsPayload, TextPayload
+    from schemas.tools import FunctionTool, tools_text
+
+    tools = tools_text((FunctionTool(name="get_time"),))
+    coordinator = Coordinator(settings, PIPELINE)
+    try:
+        async with running_worker(settings, PIPELINE, "thinker", backend=_Caller()):
+            await coordinator.open("src")
+            await coordinator.append("src", InputMode.UPDATE_SESSION, SettingsPayload(tools=tools))
+            await coordinator.append("src", InputMode.APPEND_TEXT, TextPayload("what time"))
+            await coordinator.commit("src")
+            result = ConversationPayload("add", "item_r", role="tool", text="noon",
+                                         call_id="call_3")  # fmt: skip
+            await coordinator.append("src", InputMode.EDIT_CONVERSATION, result)
+            await coordinator.commit("src")
+            report = await replay_session(coordinator.bus, PIPELINE, "src", "copy", quiet_s=1)
+    finally:
+        await coordinator.aclose()
+    assert report.identical, report.summary()
+    assert report.comparison.matched == 4  # the call, its done, the answer, its done
+
+
+def test_a_replay_comparison_tells_calls_apart():
+    from coordinator.replay import compare_outputs
+
+    def call(name: str) -> Any:
+        return _out(1, OutputKind.FUNCTION_CALL, text="{}", meta={"name": name, "call_id": "c"})
+
+    assert compare_outputs([call("get_time")], [call("get_time")]).identical
+    assert not compare_outputs([call("get_time")], [call("get_date")]).identical
