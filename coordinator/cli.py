@@ -15,13 +15,20 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
 
 from coordinator import control, replay
 from coordinator.inspect import inspect_session, list_sessions, render_session
-from coordinator.local_stack import LocalStack, check_stage_options, demonstrate
+from coordinator.local_stack import (
+    STOP_WITHIN_S,
+    LocalStack,
+    StartFailed,
+    check_stage_options,
+    demonstrate,
+)
 from dataplane.bus import RedisBus
 from dataplane.config import (
     RedisUnreachable,
@@ -31,7 +38,7 @@ from dataplane.config import (
     pipeline_path,
     redacted,
 )
-from schemas.config import ConfigError, PipelineConfig, Settings
+from schemas.config import ConfigError, PipelineConfig, Settings, StageConfig
 from schemas.keys import Keys
 
 
@@ -62,33 +69,61 @@ def cmd_up(args: argparse.Namespace) -> int:
         key_file.write_text(settings.api_keys[0] + "\n")
         key_note = f"API key for this run: in {key_file}"
     stack = LocalStack(settings, chosen, Path(args.workdir).resolve())
+    # SIGTERM stops the stack the way Ctrl-C does: in order, within STOP_WITHIN_S.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if not args.redis_url:
-            stack.start_redis()
-        for stage in pipeline.stage_names:
-            for n in range(args.workers):
-                stack.start_worker(stage, f"{stage}-{n}")
-        stack.start_control()
-        base = stack.start_coordinator(args.port if args.port is not None else settings.port)
-        print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
-              f" -> client), {args.workers} worker(s) per stage, Redis at "
-              f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
-        print(f"demo page: {base}/ ({key_note}; the page asks for it)")
-        print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
-        if not args.no_demo:
-            ok = asyncio.run(demonstrate(stack, pipeline))
-            print("demonstration " + ("passed" if ok else "FAILED"))
-            if args.demo_only:
-                return 0 if ok else 1
-        print("serving; Ctrl-C to stop", flush=True)
-        try:
-            while all(p.poll() is None for p in stack.procs.values()):
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+        return _serve_up(stack, pipeline, args, key_note)
+    except StartFailed as exc:
+        print(f"duplexq up: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
         return 0
     finally:
+        print(f"stopping (within {STOP_WITHIN_S:g} s)", flush=True)
         stack.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _loads(stage: StageConfig) -> str:
+    model = stage.options.get("model")
+    return f"{stage.backend}, model {model}" if model else stage.backend
+
+
+def _serve_up(
+    stack: LocalStack, pipeline: PipelineConfig, args: argparse.Namespace, key_note: str
+) -> int:
+    if not args.redis_url:
+        stack.start_redis()
+        print(f"redis: ready at {stack.settings.redis_url}", flush=True)
+    for stage in pipeline.stages:
+        for n in range(args.workers):
+            stack.start_worker(stage.name, f"{stage.name}-{n}")
+        print(
+            f"stage {stage.name}: {args.workers} worker(s) starting ({_loads(stage)})", flush=True
+        )
+    stack.start_control()
+    base = stack.start_coordinator(args.port if args.port is not None else stack.settings.port)
+    stack.check_alive()
+    print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
+          f" -> client), {args.workers} worker(s) per stage, Redis at "
+          f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
+    print(f"demo page: {base}/ ({key_note}; the page asks for it)")
+    print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
+    if not args.no_demo:
+        print("demonstration: the first answer waits for the models to load", flush=True)
+        ok = asyncio.run(demonstrate(stack, pipeline))
+        for notice in stack.fallback_notices():
+            print(notice)
+        print("demonstration " + ("passed" if ok else "FAILED"), flush=True)
+        if args.demo_only:
+            return 0 if ok else 1
+    print("serving; Ctrl-C to stop", flush=True)
+    while True:
+        stack.check_alive()
+        time.sleep(1)
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:

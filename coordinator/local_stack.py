@@ -39,6 +39,31 @@ def _env_for(settings: Settings) -> dict[str, str]:
     return env
 
 
+STOP_WITHIN_S = 10.0
+"""The whole stack stops within this long on Ctrl-C or SIGTERM; a child still running
+when its turn's share is spent is killed."""
+STOP_ORDER = (("coordinator",), ("worker",), ("control",), ("redis",))
+"""Who stops first: the coordinator (it closes its clients' connections), then every
+worker at once (they hand their sessions back), then the control plane, Redis last."""
+FALLBACK_MARK = "TINY model"
+"""What a worker's log says when it serves the random-weight fallback model."""
+
+
+class StartFailed(RuntimeError):
+    """A part of the stack could not start; the message says which and why, in one line."""
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port``."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def check_stage_options(pipeline_path: Path, settings: Settings) -> None:
     """ConfigError, in one line, when a stage's options are wrong (a misspelt vLLM
     option, say), before anything starts. The workers' own code checks them
@@ -102,26 +127,35 @@ class LocalStack:
 
     def start_coordinator(self, port: int) -> str:
         """Serve the client API on ``port``; returns its http:// base URL once it answers."""
+        if port and port_taken(self.settings.host, port):
+            raise StartFailed(
+                f"port {port} on {self.settings.host} is already in use (choose another: --port)"
+            )
         args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--pipeline",
                 str(self.pipeline_path), "--port", str(port)]  # fmt: skip
         self._spawn("coordinator", args)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if self.procs["coordinator"].poll() is not None:
-                raise RuntimeError(f"the coordinator exited; see {self.workdir}/logs")
+            self.check_alive()
             try:
                 socket.create_connection((self.settings.host, port), timeout=0.2).close()
                 return f"http://{self.settings.host}:{port}"
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError("the coordinator did not start within 30 s")
+        raise StartFailed("the coordinator did not start within 30 s")
 
     def _spawn(self, name: str, args: list[str]) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with (logs / f"{name}.log").open("ab") as log:
+            # A session of its own: Ctrl-C reaches `up` alone, which then stops the
+            # children in order (Redis must not die first).
             self.procs[name] = subprocess.Popen(
-                args, env=_env_for(self.settings), stdout=log, stderr=subprocess.STDOUT
+                args,
+                env=_env_for(self.settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def kill(self, name: str) -> None:
@@ -129,17 +163,62 @@ class LocalStack:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 
-    def stop(self) -> None:
-        """Workers and the control plane first (they hand sessions back), Redis last."""
-        for name in sorted(self.procs, key=lambda n: n == "redis"):
-            proc = self.procs[name]
-            if proc.poll() is None:
+    def log_tail(self, name: str, lines: int = 3) -> str:
+        """The last lines of a child's log, joined into one line."""
+        try:
+            text = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+        return " | ".join(tail) or "(empty log)"
+
+    def check_alive(self) -> None:
+        """StartFailed naming the first child that exited, with the tail of its log."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise StartFailed(
+                    f"{name} exited with code {proc.returncode}: {self.log_tail(name)} "
+                    f"(log: {self.workdir / 'logs' / name}.log)"
+                )
+
+    def fallback_notices(self) -> list[str]:
+        """One line per worker that serves the random-weight fallback model."""
+        found = []
+        for name in self.procs:
+            path = self.workdir / "logs" / f"{name}.log"
+            if _kind(name) != "worker" or not path.exists():
+                continue
+            if FALLBACK_MARK in path.read_text(errors="replace"):
+                found.append(
+                    f"WARNING: {name} serves a tiny RANDOM-WEIGHT model (answers are "
+                    f"gibberish): its configured model is not available; see {path}"
+                )
+        return found
+
+    def stop(self, within_s: float = STOP_WITHIN_S) -> None:
+        """Stop every child in ``STOP_ORDER`` within ``within_s`` seconds in all."""
+        share = within_s / len(STOP_ORDER)
+        for kinds in STOP_ORDER:
+            group = [
+                (name, proc)
+                for name, proc in self.procs.items()
+                if _kind(name) in kinds and proc.poll() is None
+            ]
+            for _, proc in group:
                 proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + share
+            for _, proc in group:
                 try:
-                    proc.wait(15)
+                    proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
         self.procs.clear()
+
+
+def _kind(name: str) -> str:
+    """``coordinator``, ``control``, ``redis`` or ``worker`` (``<stage>-<n>``)."""
+    return name if name in ("coordinator", "control", "redis") else "worker"
 
 
 async def _drain(

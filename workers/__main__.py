@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from dataplane.config import (
@@ -41,10 +42,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+STOP_GRACE_S = 6.0
+"""After SIGTERM a worker hands its sessions back and exits; one still busy after this
+long (a model loading in a thread cannot be interrupted) exits anyway."""
+
+
+def _exit_late() -> None:
+    logging.getLogger("duplexq.worker").error(
+        "still busy %.0f s after the stop signal: exiting now", STOP_GRACE_S
+    )
+    logging.shutdown()
+    os._exit(1)
+
+
 async def serve(worker: Worker, metrics_port: int | None = None) -> None:
     loop = asyncio.get_running_loop()
+    late = threading.Timer(STOP_GRACE_S, _exit_late)
+    late.daemon = True
+
+    def stop() -> None:
+        worker.request_stop()
+        if not late.is_alive():
+            late.start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
+        loop.add_signal_handler(sig, stop)
     server = None
     if metrics_port is not None:
         server = await serve_metrics(worker.settings.host, metrics_port)

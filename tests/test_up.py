@@ -1,0 +1,144 @@
+"""``duplexq up`` as a user runs it: it fails fast in one line when it cannot start, and
+stops everything, in order, within its bound on SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.processes import ROOT
+from tests.redis_server import free_port
+
+ECHO = ROOT / "configs" / "echo.toml"
+
+
+def up(*args: str, workdir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(workdir), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def children_of(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_port_in_use_is_one_line_and_nothing_is_left_running(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = up("--pipeline", str(ECHO), "--port", str(port), "--no-demo", workdir=tmp_path)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out + err
+    assert err.strip() == (
+        f"duplexq up: error: port {port} on 127.0.0.1 is already in use (choose another: --port)"
+    )
+    assert "demo page" not in out
+    assert "redis: ready" in out and "stopping" in out  # it started Redis, and stopped it
+
+
+def test_a_child_that_dies_at_start_is_one_line_with_its_log(tmp_path):
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text(
+        'name = "speech"\n[[stages]]\nname = "tts"\nbackend = "tts"\nto_client = true\n'
+        '[stages.options]\nespeak = "no-such-espeak"\n'
+    )
+    proc = up("--pipeline", str(pipeline), "--port", str(free_port()), "--workers", "1",
+              "--no-demo", workdir=tmp_path / "work")  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out + err
+    line = err.strip()
+    assert "\n" not in line
+    assert line.startswith("duplexq up: error: tts-0 exited with code 1: ")
+    assert "'no-such-espeak' not found (apt install espeak-ng)" in line
+    assert f"(log: {tmp_path / 'work' / 'logs' / 'tts-0'}.log)" in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_up_stops_everything_in_order_within_its_bound(tmp_path, sig):
+    proc = up("--pipeline", str(ECHO), "--port", str(free_port()), "--no-demo", workdir=tmp_path)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("serving;"):
+            break
+    assert lines and lines[-1].startswith("serving;"), "".join(lines) + proc.stderr.read()
+    assert any(line.startswith("stage thinker: 2 worker(s) starting (echo)") for line in lines)
+    children = children_of(proc.pid)
+    assert len(children) == 1 + 4 + 1 + 1  # redis, two workers of two stages, control, API
+    proc.send_signal(sig)
+    # A limit, not a timing: up's own bound is 10 s; allow for a loaded machine.
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "stopping (within 10 s)" in out
+    assert not [pid for pid in children if alive(pid)]
+    # Redis went last: the workers and the control plane logged a clean stop, not a
+    # lost connection.
+    for name in ("thinker-0", "talker-1", "control"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        assert "Connection refused" not in log and "Traceback" not in log, (name, log[-2000:])
+    redis_log = (tmp_path / "logs" / "redis.log").read_text()
+    assert "ready to exit, bye bye" in redis_log.lower() or "bye bye" in redis_log.lower()
+
+
+def test_a_worker_honours_sigterm_within_its_grace_even_when_busy(tmp_path):
+    from workers.__main__ import STOP_GRACE_S
+
+    # A worker whose Redis never answers is stuck outside its loop: the grace bounds it.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workers",
+                "--stage",
+                "thinker",
+                "--pipeline",
+                str(ECHO),
+                "--redis-url",
+                url,
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        time.sleep(3)  # past its Redis check: in its loop, retrying
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=STOP_GRACE_S + 20)
+    assert worker.returncode is not None
+    assert "cannot reach Redis" in out
