@@ -418,3 +418,27 @@ async def test_an_audio_turn_with_server_vad(settings):
     assert answer["duplexq"]["fence"]["turn_id"] == 1
     audio_out = [e for e in events if e["type"] == "response.output_audio.delta"]
     assert sum(len(base64.b64decode(e["delta"])) for e in audio_out) > 24_000  # > 0.5 s
+
+
+async def test_readiness_answers_at_once_when_redis_is_down(settings):
+    import socket
+    import time
+
+    from coordinator.app import READY_WITHIN_S
+
+    # A Redis that accepts connections and never answers: the slowest way to be down.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        down = settings.model_copy(
+            update={"redis_url": f"redis://127.0.0.1:{silent.getsockname()[1]}/0"}
+        )
+        async with serving(down, echo_pipeline("echo")) as base:
+            http = base.replace("ws://", "http://")
+            began = time.monotonic()
+            status, body = await asyncio.to_thread(_get, f"{http}/readyz")
+            took = time.monotonic() - began
+    assert status == 503
+    assert json.loads(body) == {"ready": False, "redis": False, "workers": {}}
+    # A limit, not a timing: the probe's own bound plus generous slack.
+    assert took < READY_WITHIN_S + 5
