@@ -189,7 +189,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"inputs sent {ops.get('send', 0)}, acknowledged {ops.get('ack', 0)}, answer blocks "
         f"{ops.get('block', 0)}, cancels {ops.get('cancel_sent', 0)} (refused as too late "
         f"{ops.get('cancel_refused', 0)}), sockets dropped "
-        f"{ops.get('drop', 0)}, resumes {ops.get('resume', 0)}, errors {ops.get('error', 0)}",
+        f"{ops.get('drop', 0)}, resumes {ops.get('resume', 0)}, errors {ops.get('error', 0)}, "
+        f"function calls {ops.get('call', 0)} (results sent {ops.get('result_sent', 0)})",
     ]
     return "\n".join(lines) + "\n"
 

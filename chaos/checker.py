@@ -4,9 +4,10 @@ Per client:
 
 - **lost**: an acknowledged attempt, not cancelled before its answer was
   complete, some of whose four blocks never arrived;
-- **stale**: a block delivered after the client received a cancel
-  acknowledgement (``duplexq.response.cancelled``) for a later epoch than the block's;
-- **duplicated**: a block delivered more than once;
+- **stale**: a block or a function call delivered after the client received a
+  cancel acknowledgement (``duplexq.response.cancelled``) for a later epoch than its own;
+- **duplicated**: a block delivered more than once, or a function call (by its
+  id) emitted more than once;
 - **out of order**: a block delivered after a block that comes later (a later
   position of the same attempt, or any block of a later attempt);
 - **dead**: the session could not go on (a resume refused, the session closed);
@@ -100,6 +101,7 @@ class _ClientCheck:
         self.cancelled: set[Attempt] = set()
         self.arrivals: dict[Attempt, list[float]] = {}
         self.outstanding: Attempt | None = None
+        self.calls: Counter[str] = Counter()
 
     def op(self, op: Op) -> None:
         if op.kind == "send" and op.attempt is not None:
@@ -119,6 +121,13 @@ class _ClientCheck:
             self.result.note("dead", op.detail)
         elif op.kind == "block" and op.attempt is not None:
             self.block(op, op.attempt)
+        elif op.kind == "call":
+            self.calls[op.detail] += 1
+            if self.calls[op.detail] > 1:
+                self.result.note("duplicated", f"call {op.detail} at {op.t:.2f}s")
+            elif op.epoch < self.cancel_epoch:
+                self.result.note("stale", f"call {op.detail} of epoch {op.epoch} after "
+                                 f"cancel {self.cancel_epoch}")  # fmt: skip
 
     def block(self, op: Op, attempt: Attempt) -> None:
         key = (attempt, op.block)

@@ -1,10 +1,14 @@
 """The generator: one realtime client that sends numbered inputs and records what it saw.
 
-A client opens a session, then sends its inputs one at a time
-(``conversation.item.create`` + ``response.create``) and waits for each answer's
-four blocks. Some answers it cancels (``response.cancel`` or ``duplexq.barge_in``) after
-0..3 blocks or right at the answer's end, and then waits for the cancel's
-acknowledgement before going on. When its socket dies (a fault, or the nemesis
+A client opens a session (declaring one function tool), then sends its inputs
+one at a time (``conversation.item.create`` + ``response.create``) and waits
+for each answer's four blocks. Some inputs ask for a function call
+(``call:<blocks>``): the model calls the tool with the blocks as arguments,
+the client answers with them as the result (``function_call_output`` +
+``response.create``), and the answer to that is the four blocks. Some answers
+it cancels (``response.cancel`` or ``duplexq.barge_in``) after 0..3 blocks or
+right at the answer's end, and then waits for the cancel's acknowledgement
+before going on. When its socket dies (a fault, or the nemesis
 dropping it on purpose) it resumes on any coordinator with its token and the
 last ``duplexq.seq`` it processed, and goes on; events are processed once
 each, by ``duplexq.seq``, whichever socket brought them. It never guesses:
@@ -40,6 +44,12 @@ class ClientConfig:
     """Longest wait for one answer (or cancel acknowledgement) before moving on."""
     think_s: float = 0.15
     """Longest pause between two inputs."""
+    tool_rate: float = 0.25
+    """Share of inputs answered through a function call the client runs."""
+
+
+TOOL = {"type": "function", "name": "echo_back", "description": "Says the text back.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}  # fmt: skip
 
 
 class SessionDead(Exception):
@@ -79,6 +89,10 @@ class ChaosClient:
         self._lost_socket = asyncio.Event()
         self.session_id = ""
         """The session's id (for finding it in the processes' logs)."""
+        self._call: str | None = None
+        """The outstanding attempt's function call, waiting for this client's result."""
+        self._result_for: str | None = None
+        self._result_acked = False
 
     # -- recording -------------------------------------------------------------------
 
@@ -114,11 +128,13 @@ class ChaosClient:
 
     async def _one_input(self, number: int) -> None:
         plan = self._cancel_plan()
+        tool = self.rng.random() < self.config.tool_rate
         for attempt_no in range(10):
             attempt = Attempt(self.index, number, attempt_no)
             self.outstanding, self.acked, self.blocks = attempt, False, set()
-            self._record("send", attempt=attempt)
-            await self._send_input(attempt)
+            self._call, self._result_for, self._result_acked = None, None, False
+            self._record("send", attempt=attempt, detail="tool" if tool else "")
+            await self._send_input(attempt, tool)
             if await self._answer(plan):
                 return
             # The socket died before the server acknowledged the attempt: send it again.
@@ -144,6 +160,8 @@ class ChaosClient:
                     await self._cancel()  # it may have been lost with the socket
             if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
+            if self._call is not None and not cancel_sent and not self._result_acked:
+                await self._send_result(self._call)
             if not cancel_sent and len(self.blocks) >= BLOCKS and cancel_after is None:
                 return True
             due = cancel_after is not None and len(self.blocks) >= cancel_after
@@ -187,6 +205,8 @@ class ChaosClient:
         self.token = created["duplexq"]["resume_token"]
         self.session_id = str(created.get("session", {}).get("id", ""))
         self._adopt(socket)
+        await self._send({"type": "session.update", "session": {"type": "realtime",
+                                                                "tools": [TOOL]}})  # fmt: skip
 
     def _adopt(self, socket: ClientConnection) -> None:
         self._socket = socket
@@ -248,9 +268,24 @@ class ChaosClient:
         except (ConnectionError, websockets.WebSocketException):
             self._lost_socket.set()
 
-    async def _send_input(self, attempt: Attempt) -> None:
+    async def _send_result(self, call_id: str) -> None:
+        """Answer the model's call with the blocks it asked for (again after a lost
+        socket when the result was not acknowledged: a result taken twice is answered
+        by one response with the blocks and one empty one)."""
+        if self._result_for == call_id and not self._lost_socket.is_set():
+            return
+        assert self.outstanding is not None
+        self._result_for = call_id
+        self._record("result_sent", attempt=self.outstanding, detail=call_id)
+        result = {"type": "function_call_output", "call_id": call_id,
+                  "output": self.outstanding.text()}  # fmt: skip
+        await self._send({"type": "conversation.item.create", "item": result})
+        await self._send({"type": "response.create"})
+
+    async def _send_input(self, attempt: Attempt, tool: bool = False) -> None:
+        text = f"call:{attempt.text()}" if tool else attempt.text()
         item = {"type": "message", "role": "user",
-                "content": [{"type": "input_text", "text": attempt.text()}]}  # fmt: skip
+                "content": [{"type": "input_text", "text": text}]}  # fmt: skip
         await self._send({"type": "conversation.item.create", "item": item})
         await self._send({"type": "response.create"})
 
@@ -268,8 +303,13 @@ class ChaosClient:
                 self._changed.set()
 
     def _on_created(self, event: dict[str, Any]) -> None:
-        """The server accepted an item: which attempt it was is read from its text."""
-        content = (event.get("item") or {}).get("content") or [{}]
+        """The server accepted an item: which attempt it was is read from its text (a
+        function's result: whose call it answers)."""
+        item = event.get("item") or {}
+        if item.get("type") == "function_call_output":
+            self._result_acked = self._result_acked or item.get("call_id") == self._call
+            return
+        content = item.get("content") or [{}]
         blocks, _ = parse_blocks(str(content[0].get("text", "")))
         if not blocks:
             return
@@ -277,6 +317,30 @@ class ChaosClient:
         if attempt == self.outstanding:
             self.acked = True
         self._record("ack", attempt=attempt)
+
+    def _on_delta(self, event: dict[str, Any], epoch: int) -> None:
+        blocks, garbled = parse_blocks(str(event.get("delta", "")))
+        if garbled:
+            self._record("garbled", detail=str(event.get("delta"))[:80])
+        for block in blocks:
+            if block.attempt == self.outstanding:
+                self.blocks.add(block.position)
+            self._record("block", attempt=block.attempt, block=block.position, epoch=epoch)
+
+    def _on_call(self, event: dict[str, Any], epoch: int) -> None:
+        """The model called the tool: for which attempt is read from its arguments."""
+        try:
+            arguments = json.loads(str(event.get("arguments", "")))
+        except ValueError:
+            arguments = {}
+        blocks, _ = parse_blocks(str(arguments.get("text", "")))
+        if not blocks:
+            self._record("garbled", detail=f"call arguments {event.get('arguments')!r}"[:80])
+            return
+        call_id = str(event.get("call_id", ""))
+        self._record("call", attempt=blocks[0].attempt, epoch=epoch, detail=call_id)
+        if blocks[0].attempt == self.outstanding:
+            self._call = call_id
 
     def _handle(self, event: dict[str, Any]) -> None:
         own = _own(event)
@@ -294,14 +358,10 @@ class ChaosClient:
         elif kind == "duplexq.response.cancelled":
             self.cancel_epoch = max(self.cancel_epoch, epoch)
             self._record("cancelled", epoch=epoch)
+        elif kind == "response.function_call_arguments.done":
+            self._on_call(event, epoch)
         elif kind == "response.output_text.delta":
-            blocks, garbled = parse_blocks(str(event.get("delta", "")))
-            if garbled:
-                self._record("garbled", detail=str(event.get("delta"))[:80])
-            for block in blocks:
-                if block.attempt == self.outstanding:
-                    self.blocks.add(block.position)
-                self._record("block", attempt=block.attempt, block=block.position, epoch=epoch)
+            self._on_delta(event, epoch)
         elif kind == "error":
             code = str((event.get("error") or {}).get("code"))
             if code == "response_cancel_not_active":

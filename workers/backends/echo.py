@@ -11,19 +11,28 @@ Inputs from before an interruption are absorbed (nothing answers them), like a
 model's; but echo's outputs describe their input rather than a response, so a
 response reserved meanwhile does not make them stale (``follows_responses``).
 
+Function calls, for tests and the nemesis: when the session declares tools, a
+typed input ``call:<text>`` is answered with a call of the first tool
+(arguments ``{"text": <text>}``, id ``call_<input seq>``) instead of its echo;
+the client's result for it (a ``tool`` message) is then the answer of the next
+commit, echoed like a text. A downstream echo passes calls on as they are.
+
 Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0).
-Echo keeps no state between events, so a takeover reads no history.
+Echo keeps no state between events but a function's result waiting for its
+commit, so a takeover reads no history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from schemas.events import (
     AudioPayload,
     CommitPayload,
+    ConversationPayload,
     InputEvent,
     OutputEvent,
     OutputKind,
@@ -31,6 +40,7 @@ from schemas.events import (
     TokensPayload,
     UnitPayload,
     VideoPayload,
+    session_payload_of,
 )
 from schemas.fence import Fence
 from workers.backends.base import NO_HISTORY, OutputDraft, StageContext, StageEvent
@@ -59,6 +69,8 @@ class EchoBackend:
     edits_conversation = False
     rebuild = NO_HISTORY
     """Nothing to rebuild: every event is answered on its own."""
+    edits_conversation = True
+    """A function's result (a ``tool`` message) is echoed at the next commit."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = options or {}
@@ -73,7 +85,7 @@ class EchoBackend:
     ) -> None:
         return None
 
-    def _answer(self, event: StageEvent) -> tuple[OutputKind, Any] | None:
+    def _answer(self, ctx: StageContext, event: StageEvent) -> tuple[OutputKind, Any] | None:
         if isinstance(event, OutputEvent):
             if event.kind is OutputKind.AUDIO_DELTA:
                 return event.kind, event.data
@@ -94,11 +106,43 @@ class EchoBackend:
             return OutputKind.DONE, ""
         return None  # clear / playback acks change no echo
 
+    @staticmethod
+    def _call(ctx: StageContext, event: StageEvent) -> OutputDraft | None:
+        """The function call a ``call:`` input makes when the session has tools; a call
+        passed on by the stage upstream, unchanged."""
+        if isinstance(event, OutputEvent):
+            if event.kind is not OutputKind.FUNCTION_CALL:
+                return None
+            return OutputDraft(event.kind, text=event.text, meta=dict(event.meta))
+        payload = event.payload
+        if not (isinstance(payload, TextPayload) and payload.text.startswith("call:")):
+            return None
+        if not ctx.session.tools or ctx.session.tool_choice == "none":
+            return None
+        name = json.loads(ctx.session.tools)[0]["function"]["name"]
+        arguments = json.dumps({"text": payload.text.removeprefix("call:")})
+        return OutputDraft(OutputKind.FUNCTION_CALL, text=arguments,
+                           meta={"name": name, "call_id": f"call_{event.seq}"})  # fmt: skip
+
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
-        answer = self._answer(event)
+        call = self._call(ctx, event)
+        if call is not None:
+            yield call
+            return
+        result = ctx.state.pop("result", None)
+        if result is not None and isinstance(event, InputEvent):
+            async for draft in self._echo(ctx, event, OutputKind.TEXT_DELTA, result):
+                yield draft
+        answer = self._answer(ctx, event)
         if answer is None:
             return
-        kind, content = answer
+        async for draft in self._echo(ctx, event, *answer):
+            yield draft
+
+    async def _echo(
+        self, ctx: StageContext, event: StageEvent, kind: OutputKind, content: Any
+    ) -> AsyncIterator[OutputDraft]:
+        """``content`` as ``kind`` drafts, in ``chunks`` pieces ``step_ms`` apart."""
         source = {"source": event.seq}
         if isinstance(event, InputEvent):
             source["turn_seq"] = event.turn_seq
@@ -117,6 +161,11 @@ class EchoBackend:
                 yield OutputDraft(kind, text=piece, meta=meta, flush=streaming)
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
+        edit = session_payload_of(event) if isinstance(event, InputEvent) else None
+        if isinstance(edit, ConversationPayload):
+            if edit.role == "tool":  # a function's result: the next commit's answer
+                ctx.state["result"] = edit.text
+            return
         ctx.state["absorbed"] = ctx.state.get("absorbed", 0) + 1
 
     async def release(self, ctx: StageContext, fence: Fence) -> None:
