@@ -335,3 +335,48 @@ def test_a_replay_comparison_tells_calls_apart():
 
     assert compare_outputs([call("get_time")], [call("get_time")]).identical
     assert not compare_outputs([call("get_time")], [call("get_date")]).identical
+
+
+@pytest.mark.parametrize("point", ["after_read", "before_publish", "after_publish"])
+async def test_a_call_survives_its_workers_death_and_is_emitted_once(settings, tmp_path, point):
+    """kill -9 of the worker making a call, at each step of the protocol: the new owner
+    emits the call (it joins the session's stored settings), and exactly once."""
+    from coordinator.service import Coordinator
+    from schemas.config import echo_pipeline
+    from schemas.events import InputMode, TextPayload
+    from schemas.session_shape import stage_settings
+    from tests.pipeline_helpers import collect, outputs_of
+    from tests.processes import WorkerProcess, wait_for_file, write_pipeline
+
+    pipeline = echo_pipeline("echo")
+    path = write_pipeline(tmp_path, pipeline)
+    marker = tmp_path / "marker"
+    env = {"DUPLEXQ_FAILPOINT": f"{point}:3", "DUPLEXQ_FAILPOINT_MARKER": str(marker)}
+    first = WorkerProcess(settings, path, "echo", "first", tmp_path, env=env)
+    second = WorkerProcess(settings, path, "echo", "second", tmp_path)
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        first.start()
+        await coordinator.open("s1")
+        # What a connection does on session.update: store the settings, then log them.
+        config = merged(SessionConfig(), {"type": "realtime", "tools": [TIME_TOOL]})
+        meta = coordinator.bus.keys.session("s1").meta
+        await coordinator.bus.hset(meta, {"config": config.model_dump_json()})
+        await coordinator.append("s1", InputMode.UPDATE_SESSION, stage_settings(config))
+        await coordinator.append("s1", InputMode.APPEND_TEXT, TextPayload("before"))
+        await coordinator.append("s1", InputMode.APPEND_TEXT, TextPayload("call:abc"))  # seq 3
+        await asyncio.to_thread(wait_for_file, marker)
+        second.start()
+        first.kill()
+        await coordinator.append("s1", InputMode.APPEND_TEXT, TextPayload("after"))
+        got = await collect(coordinator, 3, timeout=30)
+    finally:
+        first.terminate()
+        second.terminate()
+        await coordinator.aclose()
+    calls = outputs_of(got, OutputKind.FUNCTION_CALL)
+    assert [(c.meta["name"], c.meta["call_id"], c.text) for c in calls] == [
+        ("get_time", "call_3", '{"text": "abc"}')
+    ]
+    texts = [o.text for o in outputs_of(got, OutputKind.TEXT_DELTA)]
+    assert texts == ["before", "after"]
