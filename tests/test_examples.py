@@ -89,3 +89,15 @@ async def test_the_browser_example_talks_with_a_client_secret(redis_server, key_
             await browser.close()
     assert state["answers"] == ["hello from the browser"] and state["errors"] == []
     assert "k1" not in html  # the page only ever held a short-lived secret
+
+
+async def test_the_function_call_example_runs_the_function_and_gets_the_answer(
+    redis_server, key_prefix
+):
+    settings = fast_settings(redis_server.url, key_prefix, api_keys=("k1",))
+    pipeline = echo_pipeline("echo")
+    example = _load("sdk_function_call")
+    async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
+        calls, answer = await example.call_and_answer(base, "k1", "call:what time is it")
+    assert calls == ['get_time({"text": "what time is it"})']
+    assert answer.endswith(" UTC") and answer == example.get_time({})[: len(answer)]
