@@ -19,7 +19,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-GET_TIME = {
+GET_TIME: Any = {
     "type": "function",
     "name": "get_time",
     "description": "The current time, in UTC.",
@@ -38,8 +38,9 @@ async def call_and_answer(base_url: str, api_key: str, text: str) -> tuple[list[
     answer: list[str] = []
     try:
         async with client.realtime.connect(model="duplexq") as connection:
-            session = {"type": "realtime", "output_modalities": ["text"], "tools": [GET_TIME]}
-            await connection.session.update(session=session)
+            await connection.session.update(
+                session={"type": "realtime", "output_modalities": ["text"], "tools": [GET_TIME]}
+            )
             await connection.conversation.item.create(item={
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": text}]})  # fmt: skip
