@@ -16,7 +16,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
@@ -24,7 +24,7 @@ from starlette.websockets import WebSocket
 from coordinator.auth import presented, split_subprotocols
 from coordinator.connection import Connection
 from coordinator.hub import Hub
-from dataplane.metrics import REGISTRY
+from dataplane.metrics import exposition
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError
 
@@ -84,7 +84,8 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(REGISTRY.render(), media_type="text/plain; version=0.0.4")
+        body, content_type = exposition()
+        return Response(body, headers={"Content-Type": content_type})
 
     async def demo_page(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})

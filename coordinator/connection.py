@@ -45,6 +45,7 @@ from coordinator.realtime import (
     server_seq,
 )
 from coordinator.resume import replay_journal
+from coordinator.turn_clock import TurnClock
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
     AuthError,
@@ -60,7 +61,6 @@ from schemas.events import (
     CommitPayload,
     InputMode,
     OutputEvent,
-    OutputKind,
     Payload,
     PlaybackPayload,
     TextPayload,
@@ -92,16 +92,6 @@ if TYPE_CHECKING:
     from coordinator.hub import Hub
 
 log = logging.getLogger("duplexq.coordinator")
-
-_RESPONSE_KINDS = frozenset(
-    (
-        OutputKind.TEXT_DELTA,
-        OutputKind.AUDIO_DELTA,
-        OutputKind.LISTEN,
-        OutputKind.SPEAK,
-        OutputKind.DONE,
-    )
-)
 
 
 class Socket(Protocol):
@@ -147,7 +137,7 @@ class Connection:
         self.uncommitted = False
         self._refused: set[str] = set()
         """Function calls whose late result was refused once (a re-send is taken)."""
-        self._turn_ended: float | None = None
+        self.turn_clock = TurnClock()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -440,10 +430,16 @@ class Connection:
     async def _commit(self, *, announce: bool) -> None:
         if not announce and not self.uncommitted:
             return  # response.create right after a commit: that commit already asked
-        await self.coordinator.authority.reserve_response(self.session_id)
-        receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
+        # The turn ends as its commit arrives: the clock starts before the answer (which
+        # may come back before the append returns) can be sent.
+        self.turn_clock.committed(time.monotonic())
+        try:
+            await self.coordinator.authority.reserve_response(self.session_id)
+            receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
+        except BaseException:
+            self.turn_clock.forget()
+            raise
         self.uncommitted = False
-        self._turn_ended = time.monotonic()
         if announce:
             await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
 
@@ -487,19 +483,15 @@ class Connection:
             event = delivery.event
             if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
                 continue  # queued before this connection's cancel returned: stale now
-            if (
-                self._turn_ended is not None
-                and isinstance(event, OutputEvent)
-                and event.kind in _RESPONSE_KINDS
-            ):
-                FIRST_OUTPUT.observe(time.monotonic() - self._turn_ended)
-                self._turn_ended = None
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 if server_event["type"] == "response.done":
                     ended = int(server_event[EXTENSION]["fence"]["response_seq"])
                     self._ended_up_to = max(self._ended_up_to, ended)
                 await self.socket.send_json(server_event)
                 self._sent_seq = server_seq(server_event)
+                measured = self.turn_clock.sent(server_event, time.monotonic())
+                if measured is not None:
+                    FIRST_OUTPUT.labels(turn=measured[0]).observe(measured[1])
 
 
 def _fresh_event_id() -> str:

@@ -83,7 +83,7 @@ class JournalFollower:
     def _drop(self, reason: str, stage: str) -> None:
         self.dropped[reason] += 1
         if self._metrics:
-            DROPPED_STALE.inc(stage=stage or "client", reason=reason)
+            DROPPED_STALE.labels(stage=stage or "client", reason=reason).inc()
 
 
 class OutputReader:

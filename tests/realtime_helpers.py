@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
 from schemas.config import PipelineConfig, Settings, echo_pipeline
@@ -98,3 +99,15 @@ def streaming_echo(chunks: int = 40, step_ms: int = 20) -> PipelineConfig:
         update={"options": {"chunks": chunks, "step_ms": step_ms}}
     )
     return pipeline.model_copy(update={"stages": (stage,)})
+
+
+def sample(exposition: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels`` in a
+    Prometheus text exposition (0 when there is none)."""
+    wanted = (labels or {}).items()
+    return sum(
+        found.value
+        for family in text_string_to_metric_families(exposition)
+        for found in family.samples
+        if found.name == name and wanted <= found.labels.items()
+    )

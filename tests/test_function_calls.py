@@ -162,11 +162,12 @@ class _Caller(EchoBackend):
             ctx.state["said"] = getattr(event.payload, "text", "")
             return
         said, result = ctx.state.pop("said", ""), ctx.state.pop("result", "")
+        plan, ctx.next_response = plan_for(ctx.session, ctx.next_response), None
         if result and not said:
             yield OutputDraft(OutputKind.TEXT_DELTA, text=f"result: {result}")
-        elif ctx.session.tools:
+        elif plan.active:
             await asyncio.sleep(self.step_s)  # the model deliberating
-            name = json.loads(ctx.session.tools)[0]["function"]["name"]
+            name = plan.tools[0]["function"]["name"]
             yield OutputDraft(OutputKind.FUNCTION_CALL, text=json.dumps({"q": said}),
                               meta={"call_id": f"call_{event.seq}", "name": name})  # fmt: skip
         yield OutputDraft(OutputKind.DONE)
@@ -307,6 +308,7 @@ async def test_a_session_with_calls_replays_with_its_results_fed_back(settings):
     from coordinator.service import Coordinator
     from schemas.events import InputMode, SettingsPayload, TextPayload
     from schemas.tools import FunctionTool, tools_text
+    from tests.pipeline_helpers import collect
 
     tools = tools_text((FunctionTool(name="get_time"),))
     coordinator = Coordinator(settings, PIPELINE)
@@ -320,6 +322,7 @@ async def test_a_session_with_calls_replays_with_its_results_fed_back(settings):
                                          call_id="call_3")  # fmt: skip
             await coordinator.append("src", InputMode.EDIT_CONVERSATION, result)
             await coordinator.commit("src")
+            await collect(coordinator, 4)  # the source's outputs are all in
             report = await replay_session(coordinator.bus, PIPELINE, "src", "copy", quiet_s=1)
     finally:
         await coordinator.aclose()
@@ -380,3 +383,33 @@ async def test_a_call_survives_its_workers_death_and_is_emitted_once(settings, t
     ]
     texts = [o.text for o in outputs_of(got, OutputKind.TEXT_DELTA)]
     assert texts == ["before", "after"]
+
+
+async def test_tools_named_by_one_response_create_are_for_that_response_only(settings):
+    thinker = _Caller()
+    seen: list[dict[str, Any]] = []
+
+    async def turn(connection: Any, text: str, **response: Any) -> list[str]:
+        await connection.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": text}]})  # fmt: skip
+        await connection.response.create(**({"response": response} if response else {}))
+        kinds = []
+        async with asyncio.timeout(15):
+            while not kinds or kinds[-1] != "response.done":
+                seen.append(json.loads(await connection.recv_bytes()))
+                kinds.append(seen[-1]["type"])
+        return kinds
+
+    async with (
+        serving(settings, PIPELINE) as base,
+        running_worker(settings, PIPELINE, "thinker", backend=thinker),
+    ):
+        client, connecting = await _session(base)
+        async with connecting as connection:
+            json.loads(await connection.recv_bytes())  # session.created
+            with_tools = await turn(connection, "what time", tools=[TIME_TOOL])
+            without = await turn(connection, "and now")
+        await client.close()
+    assert "response.function_call_arguments.done" in with_tools
+    assert not [kind for kind in without if "function_call" in kind]

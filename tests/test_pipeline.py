@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from coordinator.service import Coordinator
-from dataplane.metrics import PUBLISHES
+from dataplane.metrics import value
 from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
 from schemas.fence import Fence
@@ -66,13 +66,13 @@ async def test_backlog_written_before_any_worker_is_processed_in_order(settings)
         await coordinator.open("s2")
         for i in range(300):
             await coordinator.append("s1" if i % 2 else "s2", "append_text", TextPayload(str(i)))
-        publishes = PUBLISHES.get(stage="echo")
+        publishes = value("duplexq_publish_calls_total", stage="echo")
         worker = Worker(settings, pipeline, "echo", burst=True)
         # Burst mode drains the backlog and stops by itself.
         await asyncio.wait_for(worker.run(), 30)
         got = outputs_of(await collect(coordinator, 300))
         # Catching up is batched: far fewer atomic publish steps than events.
-        assert PUBLISHES.get(stage="echo") - publishes < 300 / 4
+        assert value("duplexq_publish_calls_total", stage="echo") - publishes < 300 / 4
         by_session: dict[str, list[str]] = {"s1": [], "s2": []}
         for output in got:
             by_session[output.fence.session_id].append(output.text)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dataplane.metrics import value
 from tests.speech import silence, speak
 from tests.voice_helpers import (
     RATE,
@@ -48,16 +49,23 @@ def utterance(text: str) -> np.ndarray:
     return np.concatenate([silence(0.3, RATE), speak(text, RATE), silence(1.2, RATE)])
 
 
+FIRST_OUTPUT = "duplexq_time_to_first_output_seconds_count"
+"""Turns measured by the coordinator serving the voice session (in this process)."""
+
+
 def words(text: str) -> list[str]:
     return re.findall(r"[a-z']+", text.lower())
 
 
 async def test_an_audio_turn_with_server_vad_is_heard_committed_and_answered(settings):
     seen: list[dict[str, Any]] = []
+    voice_turns = value(FIRST_OUTPUT, turn="server_vad")
     async with voice_session(settings) as connection:
         await receive(connection, seen, lambda e: e["type"] == "session.created")
         await say(connection, utterance("good morning how are you today"))
         await receive(connection, seen, is_done)
+    # The turn the server VAD ended is measured once, to its answer's first output.
+    assert value(FIRST_OUTPUT, turn="server_vad") - voice_turns == 1
     kinds = [e["type"] for e in seen]
     order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
              "input_audio_buffer.committed",

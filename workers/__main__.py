@@ -69,13 +69,12 @@ async def serve(worker: Worker, metrics_port: int | None = None) -> None:
         loop.add_signal_handler(sig, stop)
     server = None
     if metrics_port is not None:
-        server = await serve_metrics(worker.settings.host, metrics_port)
+        server = serve_metrics(worker.settings.host, metrics_port)
     try:
         await worker.run()
     finally:
         if server is not None:
             server.close()
-            await server.wait_closed()
 
 
 def main(argv: list[str] | None = None) -> int:

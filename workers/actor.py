@@ -33,6 +33,7 @@ the drafts are dropped and counted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from dataplane.bus import Entry
 from dataplane.logs import session_extra
 from dataplane.metrics import (
     BARGE_IN_REACTION,
+    COALESCE_DELAY,
     DROPPED_STALE,
     EVENTS_IN,
     EVENTS_OUT,
@@ -68,7 +70,7 @@ from schemas.events import (
 )
 from schemas.fence import Fence
 from workers.backends.base import OutputDraft, StageBackend, StageContext, StageEvent
-from workers.coalesce import COALESCE_DELAY, DEFAULT_POLICY, CoalescePolicy, Coalescer
+from workers.coalesce import DEFAULT_POLICY, CoalescePolicy, Coalescer
 from workers.failpoints import failpoint
 from workers.ownership import (
     Lease,
@@ -238,7 +240,7 @@ class SessionActor:
             self.view.observe(event.fence)
             self._advance(entry.id, None)
             return
-        EVENTS_IN.inc(stage=self.ctx.stage)
+        EVENTS_IN.labels(stage=self.ctx.stage).inc()
         if step is Step.SKIP:
             return
         if is_session_event(event):
@@ -272,6 +274,8 @@ class SessionActor:
             return
         if isinstance(payload, SettingsPayload):
             self.ctx.session = payload
+        elif payload.op == "next_response":
+            self.ctx.next_response = json.loads(payload.text or "{}")
         elif self.backend.edits_conversation:
             await self.backend.absorb(self.ctx, event)
         if self.ownership.feeds_stages:
@@ -358,7 +362,7 @@ class SessionActor:
         waits = coalescer.published(_now())
         if self.active:
             for wait in waits:
-                COALESCE_DELAY.observe(wait, stage=self.ctx.stage)
+                COALESCE_DELAY.labels(stage=self.ctx.stage).observe(wait)
             await self._flush(progress=False)
 
     async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
@@ -425,8 +429,8 @@ class SessionActor:
                 self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=0
             )
         if result.status is PublishStatus.OK:
-            PUBLISHES.inc(stage=self.ctx.stage)
-            EVENTS_OUT.inc(sum(len(events) for _, events in groups), stage=self.ctx.stage)
+            PUBLISHES.labels(stage=self.ctx.stage).inc()
+            EVENTS_OUT.labels(stage=self.ctx.stage).inc(sum(len(events) for _, events in groups))
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
@@ -502,7 +506,7 @@ class SessionActor:
 
     async def count_drop(self, reason: str, count: int = 1) -> None:
         if count:
-            DROPPED_STALE.inc(count, stage=self.ctx.stage, reason=reason)
+            DROPPED_STALE.labels(stage=self.ctx.stage, reason=reason).inc(count)
             await self.ownership.note_drop(reason, count)
 
     # -- control path ----------------------------------------------------------
@@ -531,8 +535,8 @@ class SessionActor:
         if control.fence.epoch <= self.ctx.fence.epoch and self._producer_fence is None:
             return
         if control.ts_ms:
-            BARGE_IN_REACTION.observe(max(0.0, time.time() - control.ts_ms / 1000),
-                                      stage=self.ctx.stage)  # fmt: skip
+            reaction = max(0.0, time.time() - control.ts_ms / 1000)
+            BARGE_IN_REACTION.labels(stage=self.ctx.stage).observe(reaction)
         self.view.advance(control.fence)
         if control.fence.epoch > self.ctx.fence.epoch:
             self.ctx.fence = self.ctx.fence.replace(epoch=control.fence.epoch)

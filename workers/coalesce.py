@@ -26,14 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataplane.metrics import LATENCY_BUCKETS, REGISTRY
 from schemas.config import Settings
-
-COALESCE_DELAY = REGISTRY.histogram(
-    "duplexq_coalesce_delay_seconds",
-    "How long a streamed output was held back to be published with the next ones.",
-    LATENCY_BUCKETS,
-)
 
 
 @dataclass(frozen=True, slots=True)

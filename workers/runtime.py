@@ -240,7 +240,7 @@ class Worker:
             await self.ownership.release(lease, hand_back=True)  # stopped meanwhile
             return
         if lease.failover:
-            FAILOVERS.inc(stage=self.stage)
+            FAILOVERS.labels(stage=self.stage).inc()
             await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
             log.info(
                 "took over the session", extra=session_extra(
@@ -288,7 +288,7 @@ class Worker:
             return
         self.actors[session_id] = actor
         self._actor_tasks[session_id] = task
-        OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
+        OWNED_SESSIONS.labels(stage=self.stage).set(len(self.actors))
         self._data.mark(session_id)
         self._control.mark(session_id)
 
@@ -344,7 +344,7 @@ class Worker:
         session_id = actor.session_id
         self.actors.pop(session_id, None)
         self._actor_tasks.pop(session_id, None)
-        OWNED_SESSIONS.set(len(self.actors), stage=self.stage)
+        OWNED_SESSIONS.labels(stage=self.stage).set(len(self.actors))
         await actor.shutdown()
         if actor.state is ActorState.CLOSED:
             await self.ownership.release(actor.lease, hand_back=False)
@@ -385,8 +385,8 @@ class Worker:
         now = now_ms()
         await self.bus.client.zadd(self.keys.workers(self.stage), {self.worker_id: now})
         pending = [actor.pending(now) for actor in self.actors.values()]
-        STAGE_PENDING.set(sum(n for n, _ in pending), stage=self.stage)
-        STAGE_LAG.set(max((lag for _, lag in pending), default=0.0), stage=self.stage)
+        STAGE_PENDING.labels(stage=self.stage).set(sum(n for n, _ in pending))
+        STAGE_LAG.labels(stage=self.stage).set(max((lag for _, lag in pending), default=0.0))
         actors = [a for a in self.actors.values() if a.active]
         taking = list(self._taking.values())
         renewed = await self.ownership.renew([a.lease for a in actors] + taking, now_ms())

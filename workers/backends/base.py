@@ -50,6 +50,10 @@ class StageContext:
     current in log order by the runtime: a backend reads what it acts on (the
     instructions, the voice, whether audio is wanted, turn detection) when it uses it.
     Settings events never reach ``handle``, ``absorb`` or ``start``."""
+    next_response: dict[str, str] | None = None
+    """What a ``response.create`` named for the next response only (its ``tools`` and
+    ``tool_choice``, as ``schemas.tools`` writes them), kept by the runtime until the
+    backend that answers takes it (and sets it back to None)."""
     interrupt: Callable[[str], Awaitable[Fence]] | None = None
     """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
     returns the new fence. Set by the runtime; a VAD hearing the user uses it."""

@@ -48,7 +48,6 @@ wrapper in ``vllm_engine``.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -100,8 +99,6 @@ class SessionChat:
     """Responses being generated, by request id."""
     last_prompt: str = ""
     """The prompt text of the latest request (for logs and tests)."""
-    next_tools: dict[str, str] | None = None
-    """The tools a ``response.create`` named for the next response only."""
 
     def settle(self, request_id: str) -> Response | None:
         """End a live response once: its produced text and calls join the history."""
@@ -111,10 +108,7 @@ class SessionChat:
         return response
 
     def edit(self, edit: ConversationPayload) -> None:
-        if edit.op == "next_response":
-            self.next_tools = json.loads(edit.text or "{}")
-        else:
-            self.history.edit(edit)
+        self.history.edit(edit)
 
 
 @dataclass
@@ -248,8 +242,8 @@ class VllmBackend:
             chat.history.add_assistant(carried, response_item(ctx.fence))
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
             return
-        plan = plan_for(ctx.session, chat.next_tools)
-        chat.next_tools = None
+        plan = plan_for(ctx.session, ctx.next_response)
+        ctx.next_response = None  # it was for this response only
         prompt_ids = await self._prompt(chat, carried, ctx.session.instructions, plan)
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
