@@ -120,6 +120,9 @@ def _serve_up(
         print("demonstration " + ("passed" if ok else "FAILED"), flush=True)
         if args.demo_only:
             return 0 if ok else 1
+    # Written once the demonstration is over: its failover stops a worker for good.
+    scrape = stack.write_scrape_config(base.split("://", 1)[1])
+    print(f"worker metrics: {', '.join(stack.metrics.values())} (Prometheus config: {scrape})")
     print("serving; Ctrl-C to stop", flush=True)
     while True:
         stack.check_alive()

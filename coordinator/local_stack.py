@@ -85,6 +85,8 @@ class LocalStack:
         self.pipeline_path = pipeline_path
         self.workdir = workdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.metrics: dict[str, str] = {}
+        """Every worker's ``/metrics`` address (``host:port``), by worker name."""
 
     def start_redis(self) -> Settings:
         """Start a private redis-server; returns the settings pointing at it."""
@@ -114,11 +116,30 @@ class LocalStack:
         return self.settings
 
     def start_worker(self, stage: str, name: str) -> None:
+        """Start one worker of ``stage``, serving its metrics on a port of its own."""
+        port = _free_port()
         args = [
             sys.executable, "-m", "workers", "--stage", stage,
             "--pipeline", str(self.pipeline_path), "--worker-id", name,
+            "--metrics-port", str(port),
         ]  # fmt: skip
         self._spawn(name, args)
+        self.metrics[name] = f"{self.settings.host}:{port}"
+
+    def write_scrape_config(self, coordinator: str) -> Path:
+        """A Prometheus configuration scraping the coordinator (``host:port``) and every
+        worker of this stack, written to ``<workdir>/prometheus.yml``."""
+        jobs = [
+            ("duplexq-coordinator", [coordinator]),
+            ("duplexq-workers", list(self.metrics.values())),
+        ]
+        lines = ["# Written by duplexq up: prometheus --config.file=<this file>", "scrape_configs:"]
+        for job, targets in jobs:
+            lines += [f"  - job_name: {job}", "    static_configs:",
+                      f"      - targets: [{', '.join(repr(t) for t in targets)}]"]  # fmt: skip
+        path = self.workdir / "prometheus.yml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
 
     def start_control(self) -> None:
         args = [sys.executable, "-m", "coordinator.cli", "control"]
@@ -160,6 +181,7 @@ class LocalStack:
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)
+        self.metrics.pop(name, None)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 

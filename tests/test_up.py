@@ -9,11 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.processes import ROOT
+from tests.realtime_helpers import sample
 from tests.redis_server import free_port
 
 ECHO = ROOT / "configs" / "echo.toml"
@@ -109,6 +112,44 @@ def test_up_stops_everything_in_order_within_its_bound(tmp_path, sig):
         assert "Connection refused" not in log and "Traceback" not in log, (name, log[-2000:])
     redis_log = (tmp_path / "logs" / "redis.log").read_text()
     assert "ready to exit, bye bye" in redis_log.lower() or "bye bye" in redis_log.lower()
+
+
+def test_up_lists_every_workers_metrics_for_prometheus(tmp_path):
+    proc = up("--pipeline", str(ECHO), "--port", str(free_port()), workdir=tmp_path)
+    try:
+        lines = read_until_serving(proc)
+        config = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+        jobs = {job["job_name"]: job["static_configs"][0]["targets"]
+                for job in config["scrape_configs"]}  # fmt: skip
+        workers = jobs["duplexq-workers"]
+        # Two workers per stage, less the one the demonstration's failover killed.
+        assert len(workers) == 3, lines
+        assert any(line.startswith(f"worker metrics: {', '.join(workers)} ") for line in lines)
+        scraped = [scrape(target) for target in [*workers, *jobs["duplexq-coordinator"]]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    # The demonstration's turns went through both stages: their workers counted them.
+    for stage in ("thinker", "talker"):
+        handled = sum(sample(body, "duplexq_events_in_total", {"stage": stage}) for body in scraped)
+        assert handled > 0, stage
+    assert all("duplexq_owned_sessions" in body for body in scraped[:-1])
+    assert "duplexq_sessions" in scraped[-1]
+
+
+def read_until_serving(proc: subprocess.Popen[str]) -> list[str]:
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("serving;"):
+            return lines
+    raise AssertionError("".join(lines) + (proc.stderr.read() if proc.stderr else ""))
+
+
+def scrape(target: str) -> str:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 def test_a_worker_honours_sigterm_within_its_grace_even_when_busy(tmp_path):
