@@ -38,6 +38,7 @@ from dataplane.config import (
     pipeline_path,
     redacted,
 )
+from dataplane.logs import WithoutQueryStrings, setup_logging
 from schemas.config import ConfigError, PipelineConfig, Settings, StageConfig
 from schemas.keys import Keys
 
@@ -139,9 +140,18 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
     app = create_app(settings, pipeline)
-    uvicorn.run(
-        app, host=host, port=port, log_level=args.log_level, ws_max_size=settings.max_event_bytes
-    )
+    # uvicorn's own lines (startup, access, WebSocket) go through duplexq's JSON logs,
+    # their request paths without query strings.
+    setup_logging(args.log_level)
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logging.getLogger(name).addFilter(WithoutQueryStrings())
+    logging.getLogger("duplexq.coordinator").info(
+        "coordinator serving pipeline %s (%s) on http://%s:%s, Redis at %s",
+        pipeline.name, " -> ".join(pipeline.stage_names), host, port,
+        redacted(settings.redis_url),
+    )  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_config=None, log_level=args.log_level,
+                ws_max_size=settings.max_event_bytes)  # fmt: skip
     return 0
 
 
@@ -207,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(coordinator)
     coordinator.add_argument("--host")
     coordinator.add_argument("--port", type=int)
-    coordinator.add_argument("--log-level", default="warning")
+    coordinator.add_argument("--log-level", default="info")
     coordinator.set_defaults(func=cmd_coordinator)
 
     worker = commands.add_parser("worker", help="run one stage worker")

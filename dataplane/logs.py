@@ -49,3 +49,19 @@ def setup_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
 def session_extra(session_id: str, fence: object = None, **more: object) -> dict[str, object]:
     """``extra=`` for a log call about one session."""
     return {"session": session_id, "fence": fence, **more}
+
+
+class WithoutQueryStrings(logging.Filter):
+    """Cuts the query string off every request path a record's arguments carry.
+
+    A query string may hold a credential a client put in its URL by mistake; the
+    HTTP server's access and WebSocket lines log the path with it (as an argument of
+    the record), so those loggers carry this filter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                arg.split("?", 1)[0] if isinstance(arg, str) and arg.startswith("/") else arg
+                for arg in record.args
+            )
+        return True

@@ -112,3 +112,48 @@ def test_a_worker_started_by_the_cli_serves_its_metrics(redis_server, key_prefix
     finally:
         worker.terminate()
         worker.wait(20)
+
+
+def test_the_coordinator_logs_its_start_and_each_request_without_query_strings(
+    redis_server, key_prefix, tmp_path
+):
+    import json
+    import os
+    import time
+    import urllib.request
+
+    from schemas.config import echo_pipeline
+    from tests.processes import write_pipeline
+
+    settings = fast_settings(redis_server.url, key_prefix)
+    port = free_port()
+    pipeline = write_pipeline(tmp_path, echo_pipeline("echo"))
+    args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--pipeline", str(pipeline),
+            "--port", str(port)]  # fmt: skip
+    env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "coordinator.log"
+    with log.open("wb") as sink:
+        coordinator = subprocess.Popen(args, cwd=ROOT, env=env, stdout=sink, stderr=sink)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                url = f"http://127.0.0.1:{port}/healthz?api_key=s3cret&x=1"
+                urllib.request.urlopen(url, timeout=2).close()
+                break
+            except OSError:
+                assert coordinator.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "no /healthz within 30 s"
+                time.sleep(0.2)
+    finally:
+        coordinator.terminate()
+        coordinator.wait(20)
+    text = log.read_text()
+    lines = [json.loads(line) for line in text.splitlines()]  # every line is a JSON log line
+    messages = [line["msg"] for line in lines]
+    assert any(
+        m.startswith(f"coordinator serving pipeline echo (echo) on http://127.0.0.1:{port}")
+        for m in messages
+    ), messages
+    assert any('"GET /healthz HTTP/1.1" 200' in m for m in messages), messages
+    assert "s3cret" not in text and "?" not in text
