@@ -188,7 +188,7 @@ def test_duplexq_services_wait_for_a_healthy_redis_and_share_its_url(default: Co
         service = services[name]
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert service["environment"]["DUPLEXQ_REDIS_URL"] == "redis://redis:6379/0", name
-        assert service["build"]["args"]["EXTRAS"] == "cpu", name
+        assert service["build"]["args"]["EXTRAS"] == "cpu,speech", name
 
 
 def test_coordinator_publishes_8080_with_a_health_check(default: Config) -> None:
@@ -230,7 +230,7 @@ def test_gpu_thinker_reserves_an_nvidia_gpu_only_in_the_gpu_profile(
     service = gpu["services"][GPU_SERVICE]
     assert service["profiles"] == ["gpu"]
     assert service["command"] == gpu["services"]["thinker"]["command"]
-    assert service["build"]["args"]["EXTRAS"] == "gpu"
+    assert service["build"]["args"]["EXTRAS"] == "gpu,speech"
     assert service["image"] != gpu["services"]["thinker"]["image"]
     devices = service["deploy"]["resources"]["reservations"]["devices"]
     assert len(devices) == 1
@@ -290,7 +290,8 @@ def test_dockerfile_copies_only_what_the_build_context_has() -> None:
 def test_dockerfile_flavours_and_entrypoint() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim|^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
-    assert re.search(r"^ARG EXTRAS=cpu$", text, re.M)
+    # The same pinned extras the tests run with (pyproject.toml's `cpu` and `speech`).
+    assert re.search(r"^ARG EXTRAS=cpu,speech$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["duplexq"\]$', text, re.M)
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1] not in ("root", "0"), "the image must not run as root"
@@ -331,3 +332,14 @@ def test_the_cluster_profile_runs_six_persisting_nodes_and_joins_them_once(
     for name in [*nodes, "redis-cluster"]:
         idle = default["services"].get(name)
         assert idle is None or idle["profiles"] == ["cluster"]
+
+
+def test_base_images_are_official_by_default_and_can_be_replaced(env_file: Path) -> None:
+    default = compose_config(env_file)["services"]
+    assert default["redis"]["image"] == "redis:7"
+    assert default["coordinator"]["build"]["args"]["PYTHON_IMAGE"] == "python:3.11-slim"
+    local = {"DUPLEXQ_PYTHON_IMAGE": "mirror/python:3.11", "DUPLEXQ_REDIS_IMAGE": "mirror/redis:7"}
+    services = compose_config(env_file, env=local)["services"]
+    assert services["redis"]["image"] == "mirror/redis:7"
+    for name in [*DUPLEXQ_SERVICES, *pipeline_stages(DEFAULT_PIPELINE)]:
+        assert services[name]["build"]["args"]["PYTHON_IMAGE"] == "mirror/python:3.11", name

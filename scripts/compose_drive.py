@@ -1,0 +1,345 @@
+"""Drives duplexq's docker-compose stack from outside, as a user would.
+
+``scripts/compose-test`` runs this once the image is built and a Docker daemon
+answers on ``DOCKER_HOST``; the variables it sets (``DUPLEXQ_IMAGE``,
+``DUPLEXQ_REDIS_IMAGE``, ``DUPLEXQ_MODELS``) pick the images and the models
+folder, everything else is docker-compose.yml's defaults. Each step is timed
+and checked; the first failed check ends the run with its reason:
+
+1. ``docker-compose up -d`` with the default CPU pipeline; every service's
+   healthcheck turns healthy, none restarts;
+2. a typed turn through the published port with the official ``openai`` SDK,
+   answered in words (the default thinker, SmolLM2, on vLLM);
+3. a barge-in mid-answer: after ``duplexq.response.cancelled`` no event of the
+   cancelled epoch arrives, and the next turn is answered;
+4. ``docker-compose up --scale tts=3``: three healthy tts containers;
+5. ``docker kill`` of the tts container holding the session: the session's
+   next answer comes, with speech, from another container;
+6. ``docker-compose restart redis``: every input entry acknowledged before
+   is still in the session's log, and the session answers again;
+7. the echo profile (``DUPLEXQ_PIPELINE=configs/echo.toml``) answers a turn;
+8. ``docker-compose down``: no container of the project is left.
+
+Only 127.0.0.1 is contacted: the coordinator's published port. Redis is read
+with ``docker-compose exec redis redis-cli`` (it is not published).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from schemas.keys import Keys
+
+API_KEY = "compose-test-key"
+DEFAULT = "configs/default.toml"
+ECHO = "configs/echo.toml"
+HEALTHY_WITHIN_S = 900.0
+"""Cold start on a small CPU machine: vLLM and Whisper load from scratch."""
+ANSWER_WITHIN_S = 180.0
+WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+class Failed(Exception):
+    """A check of the drive did not hold."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    """docker-compose and docker on one project, with the environment it runs in."""
+
+    project: str
+    docker: str
+    port: int
+    pipeline: str = DEFAULT
+    figures: dict[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            DUPLEXQ_PIPELINE=self.pipeline,
+            DUPLEXQ_PUBLISH_PORT=str(self.port),
+            DUPLEXQ_API_KEYS=API_KEY,
+        )
+        return env
+
+    async def run(self, *argv: str) -> str:
+        """``argv``'s output; it must succeed. The event loop goes on meanwhile (the
+        sessions' WebSocket keepalives with it)."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise Failed(f"{' '.join(argv)} failed: {err.decode()}")
+        return out.decode()
+
+    async def compose(self, *args: str) -> str:
+        return await self.run("docker-compose", "-p", self.project, *args)
+
+    async def containers(self, service: str | None = None) -> list[dict[str, Any]]:
+        """``docker inspect`` of the project's containers (of one service)."""
+        ids = (await self.compose("ps", "-q", *([service] if service else []))).split()
+        return json.loads(await self.run(self.docker, "inspect", *ids)) if ids else []
+
+    async def wait_healthy(self, expected: dict[str, int]) -> float:
+        """Seconds until each service has ``expected`` healthy containers; none may
+        restart meanwhile (a crash loop)."""
+        start = time.monotonic()
+        while True:
+            counts: dict[str, int] = {}
+            states = []
+            for c in await self.containers():
+                service = c["Config"]["Labels"]["com.docker.compose.service"]
+                health = c["State"].get("Health", {}).get("Status", "none")
+                states.append(f"{c['Name'].lstrip('/')}={c['State']['Status']}/{health}")
+                if c["RestartCount"]:
+                    logs = await self.run(self.docker, "logs", "--tail", "30", c["Id"])
+                    raise Failed(f"{c['Name']} restarted:\n{logs}")
+                if health == "healthy":
+                    counts[service] = counts.get(service, 0) + 1
+            if all(counts.get(s, 0) >= n for s, n in expected.items()):
+                return time.monotonic() - start
+            if time.monotonic() - start > HEALTHY_WITHIN_S:
+                raise Failed(f"not healthy within {HEALTHY_WITHIN_S:.0f} s: {' '.join(states)}")
+            await asyncio.sleep(2)
+
+    async def redis(self, *args: str) -> str:
+        return await self.compose("exec", "-T", "redis", "redis-cli", "--raw", *args)
+
+
+class Session:
+    """One Realtime session through the official SDK, read as raw JSON events."""
+
+    def __init__(self, port: int) -> None:
+        self.client = AsyncOpenAI(api_key=API_KEY, websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+        self.seen: list[dict[str, Any]] = []
+        self.id = ""
+
+    async def __aenter__(self) -> Session:
+        self._exit = contextlib.AsyncExitStack()
+        self._exit.push_async_callback(self.client.close)
+        self.connection = await self._exit.enter_async_context(
+            self.client.realtime.connect(model="duplexq")
+        )
+        created = await self.until("session.created")
+        self.id = created["session"]["id"]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._exit.aclose()
+
+    async def until(self, *kinds: str, within_s: float = ANSWER_WITHIN_S) -> dict[str, Any]:
+        """The next event of one of ``kinds`` (every event is kept in ``seen``)."""
+        async with asyncio.timeout(within_s):
+            while True:
+                event: dict[str, Any] = json.loads(await self.connection.recv_bytes())
+                event["_at"] = time.monotonic()
+                self.seen.append(event)
+                if event["type"] == "error":
+                    raise Failed(f"server error: {event['error']}")
+                if event["type"] in kinds:
+                    return event
+
+    async def ask(self, text: str) -> float:
+        """Sends a typed turn and asks for a response; the time it was sent."""
+        await self.connection.conversation.item.create(
+            item={"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": text}]}
+        )  # fmt: skip
+        await self.connection.response.create()
+        return time.monotonic()
+
+    async def answer(self, text: str) -> tuple[str, float, list[dict[str, Any]]]:
+        """A completed answer to ``text``: its words, seconds to its first output,
+        and its events."""
+        mark = len(self.seen)
+        sent = await self.ask(text)
+        done = await self.until("response.done")
+        if done["response"]["status"] != "completed":
+            raise Failed(f"response {done['response']['status']}: {done['response']}")
+        events = self.seen[mark:]
+        outputs = [e for e in events if e["type"] in OUTPUT_DELTAS]
+        if not outputs:
+            raise Failed(f"no output for {text!r}")
+        return words(events), outputs[0]["_at"] - sent, events
+
+
+OUTPUT_DELTAS = (
+    "response.output_text.delta",
+    "response.output_audio_transcript.delta",
+    "response.output_audio.delta",
+)
+
+
+def words(events: list[dict[str, Any]]) -> str:
+    text = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    if not text:
+        text = [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"]
+    return "".join(text).strip()
+
+
+def check_words(answer: str) -> None:
+    if len(WORD.findall(answer)) < 2:
+        raise Failed(f"the answer is not in words: {answer!r}")
+
+
+async def typed_turn(stack: Stack, up_at: float) -> None:
+    async with Session(stack.port) as session:
+        answer, first_s, _ = await session.answer("What is the capital of France?")
+    check_words(answer)
+    print(f"typed turn answered: {answer!r}")
+    stack.figures["turn end to first output"] = f"{first_s:.2f} s"
+    stack.figures["`up -d` to first answer"] = f"{time.monotonic() - up_at:.0f} s"
+
+
+async def barge_in(session: Session, stack: Stack) -> None:
+    mark = len(session.seen)
+    await session.ask("Tell me a long story about a dragon and a knight.")
+    first = await session.until(*OUTPUT_DELTAS)
+    await session.connection.send_raw(json.dumps({"type": "duplexq.barge_in"}))
+    cancelled = await session.until("duplexq.response.cancelled")
+    epoch = cancelled["duplexq"]["fence"]["epoch"]
+    stale_response = first["response_id"]
+    answer, _, after = await session.answer("Say hello.")
+    check_words(answer)
+    stale = [
+        e for e in after
+        if e.get("response_id") == stale_response
+        or (e["type"] in OUTPUT_DELTAS and e["duplexq"]["fence"]["epoch"] < epoch)
+    ]  # fmt: skip
+    if stale:
+        raise Failed(f"{len(stale)} stale events after the barge-in, first {stale[0]}")
+    cut = [e for e in session.seen[mark:] if e["type"] in OUTPUT_DELTAS]
+    print(f"barge-in: cut after {len(cut)} output deltas, next answer {answer!r}")
+
+
+async def lease_owner(stack: Stack, session_id: str, stage: str) -> tuple[str, int]:
+    """(container host name, incarnation) of the worker holding (session, stage)."""
+    value = (await stack.redis("GET", Keys().session(session_id).lease(stage))).strip()
+    if not value:
+        raise Failed(f"no {stage} lease for session {session_id}")
+    worker, _token, incarnation = value.split()
+    return worker.split("-")[0], int(incarnation)
+
+
+async def kill_owner(session: Session, stack: Stack) -> None:
+    stage = "tts"
+    owner, incarnation = await lease_owner(stack, session.id, stage)
+    victims = [c for c in await stack.containers(stage) if c["Config"]["Hostname"] == owner]
+    if not victims:
+        raise Failed(f"no {stage} container with host name {owner}")
+    victim = victims[0]["Name"].lstrip("/")
+    await stack.run(stack.docker, "kill", victims[0]["Id"])
+    killed_at = time.monotonic()
+    answer, _, events = await session.answer("Name a color.")
+    check_words(answer)
+    audio = [e for e in events if e["type"] == "response.output_audio.delta"]
+    if not audio:
+        raise Failed("no speech after the tts container was killed")
+    new_owner, new_incarnation = await lease_owner(stack, session.id, stage)
+    if new_owner == owner or new_incarnation <= incarnation:
+        raise Failed(f"the session stayed with {owner} (incarnation {new_incarnation})")
+    failover_s = audio[0]["_at"] - killed_at
+    stack.figures["failover (kill to first speech)"] = f"{failover_s:.1f} s"
+    print(f"killed {victim}: session went on on {new_owner}, speech {failover_s:.1f} s later")
+
+
+async def input_ids(stack: Stack, session_id: str) -> list[str]:
+    out = await stack.redis("XRANGE", Keys().session(session_id).input, "-", "+")
+    return [line for line in out.splitlines() if re.fullmatch(r"\d+-\d+", line)]
+
+
+async def restart_redis(session: Session, stack: Stack) -> None:
+    before = await input_ids(stack, session.id)
+    start = time.monotonic()
+    await stack.compose("restart", "redis")
+    answer, _, _ = await session.answer("Say one more word.")
+    check_words(answer)
+    lost = set(before) - set(await input_ids(stack, session.id))
+    if lost:
+        raise Failed(f"{len(lost)} acknowledged inputs lost across the Redis restart")
+    stack.figures["Redis restart to next answer"] = f"{time.monotonic() - start:.1f} s"
+    print(f"Redis restarted: {len(before)} inputs kept, next answer {answer!r}")
+
+
+async def default_pipeline(stack: Stack) -> None:
+    services = {"redis": 1, "coordinator": 1, "control": 1, "vad": 1, "asr": 1,
+                "thinker": 1, "tts": 1}  # fmt: skip
+    up_at = time.monotonic()
+    await stack.compose("up", "-d", "--no-build")
+    healthy_s = await stack.wait_healthy(services)
+    stack.figures["`up -d` to every service healthy"] = f"{healthy_s:.0f} s"
+    print(f"default pipeline healthy in {healthy_s:.0f} s")
+    await typed_turn(stack, up_at)
+    async with Session(stack.port) as session:
+        await barge_in(session, stack)
+        await stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "tts=3")
+        scaled_s = await stack.wait_healthy({**services, "tts": 3})
+        stack.figures["`--scale tts=3` to healthy"] = f"{scaled_s:.0f} s"
+        print(f"tts scaled to 3 in {scaled_s:.0f} s")
+        await kill_owner(session, stack)
+        await restart_redis(session, stack)
+    await stack.compose("down", "--volumes", "--timeout", "10")
+
+
+async def echo_profile(stack: Stack) -> None:
+    stack.pipeline = ECHO
+    services = ["coordinator", "control", "thinker", "talker"]
+    await stack.compose("--profile", "echo", "up", "-d", "--no-build", *services)
+    healthy_s = await stack.wait_healthy({"redis": 1, **dict.fromkeys(services, 1)})
+    async with Session(stack.port) as session:
+        answer, _, _ = await session.answer("echo me")
+    if "echo me" not in answer:
+        raise Failed(f"the echo pipeline answered {answer!r}")
+    print(f"echo profile healthy in {healthy_s:.0f} s and answered {answer!r}")
+    await stack.compose("--profile", "echo", "down", "--volumes", "--timeout", "10")
+
+
+async def drive(stack: Stack) -> None:
+    await default_pipeline(stack)
+    await echo_profile(stack)
+    left = (await stack.run(stack.docker, "ps", "-aq")).split()
+    if left:
+        raise Failed(f"containers left after down: {left}")
+    print("down: no container left")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--project", required=True)
+    parser.add_argument("--docker", default="docker")
+    args = parser.parse_args()
+    stack = Stack(project=args.project, docker=args.docker, port=free_port())
+    try:
+        asyncio.run(drive(stack))
+    except Failed as exc:
+        print(f"compose-test FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for name, value in stack.figures.items():
+            print(f"  {name}: {value}")
+    print("compose-test passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
