@@ -106,6 +106,42 @@ async def test_the_shipped_thinker_answers_in_real_words(redis_server, key_prefi
         assert not backend.engine.fallback
         answer = "".join(o.text for o in outputs_of(got, OutputKind.TEXT_DELTA))
         assert "Paris" in answer, answer
+        await _a_forced_call(settings, chat, backend)
     finally:
         await coordinator.aclose()
         await backend.engine.shutdown()
+
+
+async def _a_forced_call(settings, chat, backend) -> None:
+    """SmolLM2's chat template has no place for tools: duplexq writes them into the
+    system message in the Hermes format, and a named tool_choice constrains the answer
+    to the function's arguments, so even this small model makes a valid call."""
+    import json
+
+    from schemas.events import InputMode, SettingsPayload
+    from schemas.tools import FunctionTool, tools_text
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    tool = FunctionTool(name="get_weather", description="The weather in a city.",
+                        parameters=schema)  # fmt: skip
+    forced = SettingsPayload(tools=tools_text((tool,)), tool_choice="function:get_weather")
+    coordinator = Coordinator(settings, chat)
+    try:
+        async with running_worker(settings, chat, "thinker", backend=backend):
+            await coordinator.open("s2")
+            await coordinator.append("s2", InputMode.UPDATE_SESSION, forced)
+            await coordinator.append("s2", "append_text", TextPayload("Weather in Paris?"))
+            await coordinator.commit("s2")
+            got = await read_until(
+                coordinator,
+                lambda got: any(o.kind is OutputKind.DONE for o in outputs_of(got)),
+                timeout=240,
+            )
+    finally:
+        await coordinator.aclose()
+    [call] = outputs_of(got, OutputKind.FUNCTION_CALL)
+    assert call.meta["name"] == "get_weather"
+    assert isinstance(json.loads(call.text)["city"], str)
+    prompt = backend.records[outputs_of(got, OutputKind.DONE)[0].meta["request_id"]].prompt
+    assert "You can call functions" in prompt and '"name": "get_weather"' in prompt
