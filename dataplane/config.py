@@ -9,6 +9,7 @@ pipeline and Redis URL in the settings) and the same one-line errors:
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,14 +33,14 @@ class RedisUnreachable(RuntimeError):
 def load_settings(path: Path | None, redis_url: str | None) -> Settings:
     """Settings from ``path`` (if any), then ``DUPLEXQ_*`` variables, then ``--redis-url``."""
     where = f"settings {path}" if path else "settings"
+    values = load_mapping(path) if path else {}
     try:
-        settings = Settings.model_validate(load_mapping(path)) if path else Settings()
+        settings = Settings.from_file(values)
     except ValidationError as exc:
+        fields = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+        if any(f"DUPLEXQ_{name.upper()}" in os.environ for name in fields):
+            where += " (DUPLEXQ_* environment)"
         raise ConfigError(f"{where}: {validation_problems(exc)}") from exc
-    try:
-        settings = settings.with_env()
-    except ValidationError as exc:
-        raise ConfigError(f"{where} (DUPLEXQ_* environment): {validation_problems(exc)}") from exc
     if redis_url:
         settings = settings.model_copy(update={"redis_url": redis_url})
     return settings

@@ -1,8 +1,9 @@
 """Configuration: runtime settings and the pipeline, each loaded from one file.
 
 ``Settings`` holds what every process needs (Redis, leases, batching,
-retention); any field can be overridden by an environment variable named
-``DUPLEXQ_<FIELD>`` (upper case). ``PipelineConfig`` names the stages and how
+retention); it is a ``pydantic-settings`` model: any field can be set by an
+environment variable named ``DUPLEXQ_<FIELD>`` (upper case), which overrides a
+settings file (``from_file``). ``PipelineConfig`` names the stages and how
 their outputs feed each other. Both are pydantic models: they come from users,
 so they are validated fully when loaded.
 """
@@ -10,14 +11,20 @@ so they are validated fully when loaded.
 from __future__ import annotations
 
 import json
-import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "always")
 """How every Redis that duplexq starts persists (``up``, compose, the tests).
@@ -41,8 +48,12 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class Settings(_Model):
+class Settings(BaseSettings):
     """Process-wide settings shared by coordinators, workers and the control plane."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DUPLEXQ_", extra="forbid", frozen=True, use_attribute_docstrings=True
+    )
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users,
@@ -113,7 +124,7 @@ class Settings(_Model):
     models_dir: str = Field("var/models", min_length=1)
     """Where prepared models live: ``package:NAME`` models and the tiny fallback model
     (``docs/models.md``). ``duplexq up`` uses ``<workdir>/models``."""
-    api_keys: tuple[str, ...] = ()
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     """Accepted API keys (``Authorization: Bearer`` or the WebSocket subprotocol
     ``openai-insecure-api-key.<key>``); comma-separated in ``DUPLEXQ_API_KEYS``. Never
     accepted in a URL."""
@@ -183,28 +194,37 @@ class Settings(_Model):
         return self.redis_url
 
     def to_env(self) -> dict[str, str]:
-        """The settings as ``DUPLEXQ_*`` variables (what ``with_env`` reads back)."""
+        """The settings as ``DUPLEXQ_*`` variables (what ``Settings()`` reads back)."""
         env: dict[str, str] = {}
         for name, value in self.model_dump().items():
             text = ",".join(value) if isinstance(value, tuple) else str(value)
             env[f"DUPLEXQ_{name.upper()}"] = text
         return env
 
-    def with_env(self, environ: Mapping[str, str] | None = None) -> Settings:
-        """A copy with ``DUPLEXQ_<FIELD>`` environment overrides applied and validated."""
-        env = os.environ if environ is None else environ
-        changes: dict[str, Any] = {}
-        for name, field in type(self).model_fields.items():
-            raw = env.get(f"DUPLEXQ_{name.upper()}")
-            if raw is None:
-                continue
-            if field.annotation == tuple[str, ...]:
-                changes[name] = tuple(part.strip() for part in raw.split(",") if part.strip())
-            else:
-                changes[name] = raw
-        if not changes:
-            return self
-        return type(self).model_validate({**self.model_dump(), **changes})
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):  # DUPLEXQ_API_KEYS
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Arguments, then DUPLEXQ_* variables; no .env or secrets files are read.
+        return init_settings, env_settings
+
+    @classmethod
+    def from_file(cls, values: Mapping[str, Any]) -> Settings:
+        """Settings from a file's ``values`` with ``DUPLEXQ_*`` variables over them;
+        ValidationError when either is wrong."""
+        return cls(**{**values, **EnvSettingsSource(cls)()})
 
 
 class StageConfig(_Model):

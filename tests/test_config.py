@@ -65,13 +65,21 @@ def test_load_pipeline_from_toml_and_json(tmp_path):
         load_pipeline(tmp_path / "p.yaml")
 
 
-def test_settings_env_overrides_are_validated():
-    settings = Settings().with_env({"DUPLEXQ_LEASE_TTL_MS": "5000", "OTHER": "x"})
-    assert settings.lease_ttl_ms == 5000
+def test_settings_env_overrides_are_validated(monkeypatch):
+    monkeypatch.setenv("DUPLEXQ_LEASE_TTL_MS", "5000")
+    monkeypatch.setenv("OTHER", "x")
+    assert Settings().lease_ttl_ms == 5000
+    # A variable overrides the settings file; an argument overrides both.
+    assert Settings.from_file({"lease_ttl_ms": 4000, "block_ms": 20}).lease_ttl_ms == 5000
+    assert Settings.from_file({"block_ms": 20}).block_ms == 20
+    assert Settings(lease_ttl_ms=6000).lease_ttl_ms == 6000
+    monkeypatch.setenv("DUPLEXQ_LEASE_TTL_MS", "10")
     with pytest.raises(ValidationError):
-        Settings().with_env({"DUPLEXQ_LEASE_TTL_MS": "10"})
+        Settings()
+    monkeypatch.setenv("DUPLEXQ_LEASE_TTL_MS", "5000")
+    monkeypatch.setenv("DUPLEXQ_KEY_PREFIX", "has space")
     with pytest.raises(ValidationError):
-        Settings().with_env({"DUPLEXQ_KEY_PREFIX": "has space"})
+        Settings()
 
 
 def test_every_settings_field_is_documented():
@@ -105,6 +113,8 @@ def test_session_keys_share_one_hash_tag():
     assert len(set(tagged)) == len(tagged)
 
 
-def test_settings_round_trip_through_the_environment():
+def test_settings_round_trip_through_the_environment(monkeypatch):
     settings = Settings(api_keys=("k1", "k2"), allow_anonymous=True, lease_ttl_ms=3000)
-    assert Settings().with_env(settings.to_env()) == settings
+    for name, text in settings.to_env().items():
+        monkeypatch.setenv(name, text)
+    assert Settings() == settings
