@@ -4,7 +4,8 @@
 per worker, started in the background, vLLM imported by name at first use)
 with one addition: requests take sampling parameters the caller built (the
 extension configures them) and, optionally, the prompt's multimodal data
-(the stage sends none yet; see ``MiniCPMOStage.multi_modal_data``). Each
+(``MiniCPMOStage.multi_modal_data``; the Mage-VL stage sends its frames the
+same way). Each
 streamed step keeps its stop reason, which the listen decision may rest on.
 
 ``OutputView`` is what ``decide_output`` reads for one step: only that

@@ -49,6 +49,10 @@ class MiniCPMOOptions(VllmOptions):
     limit_mm_per_prompt: dict[str, int] | None = None
     """vLLM's per-prompt item limits by modality, e.g. ``{audio = 64, image = 16}``; a
     duplex prompt holds every unit of the session, so the limits must cover them."""
+    send_media: bool | None = None
+    """Whether requests carry each unit's frames and audio as ``multi_modal_data``;
+    unset: when vLLM serves the model as multimodal (a text model takes placeholders
+    alone)."""
     context_reserve: int = Field(DEFAULT_CONTEXT_RESERVE, ge=0, le=65_536)
     """Context tokens the first append of a session reserves for the system prefix."""
     listen_stops: bool = True

@@ -18,7 +18,9 @@ carries out what it returns. Theory of operation:
   *segment*, and what the model produced for a unit extends that unit's
   segment. ``fit`` drops the oldest segments, whole, until the prompt fits
   the budget, so a unit leaves with its answer; a newest segment that
-  cannot fit even alone is refused (``PromptTooLong``).
+  cannot fit even alone is refused (``PromptTooLong``). Each segment keeps
+  the decoded media behind its placeholders (``minicpmo_media.UnitMedia``),
+  dropped with it.
 - **One unit's answer** (``UnitTurn``): the extension's decision for each
   streamed step is turned into drafts. The first step with content opens
   speech (a ``speak`` marker), text follows as ``text_delta``; a ``listen``
@@ -48,6 +50,7 @@ from enum import Enum, auto
 
 from schemas.events import InputEvent, InputMode, OutputEvent, OutputKind
 from workers.backends.base import StageEvent
+from workers.backends.minicpmo_media import NO_MEDIA, UnitMedia
 from workers.extensions.base import AppendPlan, Decision, DecisionAction
 
 UNIT_MODES = frozenset(
@@ -88,6 +91,8 @@ class DuplexPrompt:
 
     prefix: tuple[int, ...] = ()
     segments: deque[tuple[int, ...]] = field(default_factory=deque)
+    media: deque[UnitMedia] = field(default_factory=deque)
+    """The media behind each segment's placeholders, one entry per segment."""
     length: int = 0
     """Tokens in ``segments`` (the prefix not counted)."""
     dropped: int = 0
@@ -98,16 +103,17 @@ class DuplexPrompt:
         """Whether the next plan should carry the context reserve (no prefix yet)."""
         return not self.prefix
 
-    def add_plan(self, plan: AppendPlan) -> None:
+    def add_plan(self, plan: AppendPlan, media: UnitMedia = NO_MEDIA) -> None:
         reserve = plan.buffer.context_reserve
         if reserve:
             self.prefix = plan.prompt_token_ids[:reserve]
-        self.add(plan.prompt_token_ids[reserve:])
+        self.add(plan.prompt_token_ids[reserve:], media)
 
-    def add(self, token_ids: Sequence[int]) -> None:
+    def add(self, token_ids: Sequence[int], media: UnitMedia = NO_MEDIA) -> None:
         """Append one segment (no-op when empty)."""
         if token_ids:
             self.segments.append(tuple(token_ids))
+            self.media.append(media)
             self.length += len(token_ids)
 
     def answer(self, token_ids: Sequence[int]) -> None:
@@ -141,6 +147,7 @@ class DuplexPrompt:
         if len(self.prefix) + newest > budget:
             if self.segments:
                 self.length -= len(self.segments.pop())
+                self.media.pop()
             raise PromptTooLong(
                 f"a segment of {newest} tokens after a {len(self.prefix)}-token prefix "
                 f"does not fit {budget} prompt tokens"
@@ -148,6 +155,7 @@ class DuplexPrompt:
         count = 0
         while len(self) > budget:
             self.length -= len(self.segments.popleft())
+            self.media.popleft()
             count += 1
         self.dropped += count
         return count
@@ -222,6 +230,8 @@ class UnitTurn:
 
 Plan = Callable[[InputEvent, bool], AppendPlan | None]
 """Plans one recorded input (``first_append`` as the second argument); None skips it."""
+Media = Callable[[InputEvent], UnitMedia]
+"""The decoded media of one recorded input."""
 
 
 def rebuild(
@@ -229,6 +239,7 @@ def rebuild(
     inputs: Sequence[StageEvent],
     outputs: Sequence[OutputEvent],
     plan: Plan,
+    media: Media = lambda event: NO_MEDIA,
 ) -> dict[int, tuple[int, ...]]:
     """Replay recorded inputs and this stage's accepted outputs into ``prompt``.
 
@@ -247,6 +258,6 @@ def rebuild(
             assert isinstance(event, InputEvent)
             planned = plan(event, prompt.first_append)
             if planned is not None:
-                prompt.add_plan(planned)
+                prompt.add_plan(planned, media(event))
         prompt.answer(answers.pop(event.seq, ()))
     return {seq: tuple(ids) for seq, ids in answers.items() if seq > last_seq}

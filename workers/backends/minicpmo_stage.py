@@ -37,11 +37,14 @@ the prompt is rebuilt from them (``minicpmo_session.rebuild``). A unit the
 previous owner had answered but not finished applying is delivered again;
 its published answer is carried into the prompt and it is not decided twice.
 
-Multimodal features. A real MiniCPM-o needs each unit's audio (and video)
-*features* next to its placeholders: vLLM takes them as the prompt's
-``multi_modal_data``. ``MiniCPMOStage.multi_modal_data`` is where they plug
-in; it returns None, so the engine receives placeholders only. That is what
-the tiny test model can take; see docs/gpu-minicpmo.md for the real model.
+Multimodal data. Each unit's media (``minicpmo_media``: frames as PIL
+images, audio as float32 arrays at 16 kHz) is decoded when it joins the
+prompt and kept with its segment; every request carries the media of the
+segments still in the prompt as vLLM's ``multi_modal_data``, in prompt
+order. Only for a multimodal model (``send_media``; by default what vLLM's
+model config says): the tiny text model the tests use takes placeholders
+alone. What vLLM's MiniCPM-o processor makes of the extension's placeholder
+runs is checked on a GPU only (``bench/gpu_minicpmo_media.py``).
 
 Options: see ``minicpmo_options.MiniCPMOOptions``. The pure rules live in
 ``minicpmo_session``; the engine (the ``vllm`` stage's, taking caller-built
@@ -69,6 +72,7 @@ from workers.backends.minicpmo_engine import (
     OutputView,
     token_lookup,
 )
+from workers.backends.minicpmo_media import NO_MEDIA, UnitMedia, multi_modal_data, unit_media
 from workers.backends.minicpmo_options import MiniCPMOOptions, parse_minicpmo_options
 from workers.backends.minicpmo_session import (
     Contribution,
@@ -104,6 +108,8 @@ class Duplex:
     params: Any
     """The stage-0 sampling parameters."""
     prompt_budget: int
+    send_media: bool = False
+    """Whether requests carry the units' media (the model takes ``multi_modal_data``)."""
 
     def view(self, step: DuplexStep) -> OutputView:
         completion = CompletionView(step.token_ids, step.text, step.stop_reason, step.finish_reason)
@@ -251,15 +257,15 @@ class MiniCPMOStage:
             log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
 
     def multi_modal_data(self, session: DuplexSession) -> Mapping[str, Any] | None:
-        """The features behind the prompt's placeholders, for vLLM's ``multi_modal_data``.
+        """The media behind the prompt's placeholders, as vLLM's ``multi_modal_data``.
 
-        None: this stage sends placeholders only (what the tiny test model
-        takes). A real MiniCPM-o needs, in prompt order, each unit's audio as
-        a float32 array at 16 kHz under ``audio`` and its frames as images
-        under ``image``, kept with the unit's prompt segment so that dropping
-        a segment drops its features too.
+        Each unit's frames under ``image`` (PIL images) and its audio under
+        ``audio`` (float32 arrays at 16 kHz), in prompt order, for the segments
+        still in the prompt; None when there is none or the model takes no media.
         """
-        return None
+        if self._duplex is None or not self._duplex.send_media:
+            return None
+        return multi_modal_data(session.prompt.media)
 
     # -- the duplex core's shell -------------------------------------------------------------
 
@@ -267,17 +273,28 @@ class MiniCPMOStage:
         """The resolved duplex setup; rebuilds the session's prompt after a failover."""
         duplex = self._duplex
         if duplex is None:
-            await self.engine.ready()
-            duplex = self._duplex = self._resolve()
+            llm = await self.engine.ready()
+            duplex = self._duplex = self._resolve(self._takes_media(llm))
         if session.replay is not None:
             inputs, outputs = session.replay
             session.replay = None
             session.carried = rebuild(
-                session.prompt, inputs, outputs, lambda e, first: self._replan(duplex, e, first)
+                session.prompt,
+                inputs,
+                outputs,
+                lambda e, first: self._replan(duplex, e, first),
+                lambda e: self._media(duplex, e),
             )
         return duplex
 
-    def _resolve(self) -> Duplex:
+    def _takes_media(self, llm: Any) -> bool:
+        """``send_media``, or by default whether vLLM serves the model as multimodal."""
+        if self.options.send_media is not None:
+            return self.options.send_media
+        model_config = getattr(llm, "model_config", None)
+        return bool(getattr(model_config, "is_multimodal_model", False))
+
+    def _resolve(self, send_media: bool) -> Duplex:
         """Token ids from the tokenizer, the extension and the stage-0 sampling parameters."""
         tokenizer: Any = self.engine.tokenizer
         lookup = token_lookup(tokenizer)
@@ -312,7 +329,9 @@ class MiniCPMOStage:
             )
         except (TypeError, ValueError) as exc:
             raise BackendError(f"bad duplex sampling options: {exc}") from exc
-        return Duplex(extension, token_ids, special_ids, params, self.options.prompt_budget)
+        return Duplex(
+            extension, token_ids, special_ids, params, self.options.prompt_budget, send_media
+        )
 
     @staticmethod
     def _plan(duplex: Duplex, event: InputEvent, first_append: bool) -> AppendPlan:
@@ -332,7 +351,18 @@ class MiniCPMOStage:
             return None
 
     def _append(self, duplex: Duplex, session: DuplexSession, event: InputEvent) -> None:
-        session.prompt.add_plan(self._plan(duplex, event, session.prompt.first_append))
+        plan = self._plan(duplex, event, session.prompt.first_append)
+        session.prompt.add_plan(plan, self._media(duplex, event))
+
+    @staticmethod
+    def _media(duplex: Duplex, event: InputEvent) -> UnitMedia:
+        """The input's decoded media when requests carry media, else none."""
+        if not duplex.send_media:
+            return NO_MEDIA
+        media = unit_media(event.payload)
+        for problem in media.problems:
+            log.warning("seq %d: %s; dropped from the request's media", event.seq, problem)
+        return media
 
     async def _decide(
         self, ctx: StageContext, duplex: Duplex, session: DuplexSession, seq: int
