@@ -59,10 +59,10 @@ from schemas.events import (
 from workers.adapters.base import OutputChunk
 from workers.adapters.mage_vl_types import GateDecision, VisualWindow
 from workers.backends.base import BackendError, OutputDraft, StageEvent
+from workers.backends.mage_vl_media import MEDIA_ENGINE_KEYS, MageVLEngineOptions
 from workers.backends.vllm_history import ChatMessages
-from workers.backends.vllm_options import VllmOptions
 
-ENGINE_KEYS = frozenset(
+ENGINE_KEYS = MEDIA_ENGINE_KEYS | frozenset(
     {
         "model",
         "tokenizer",
@@ -77,7 +77,8 @@ ENGINE_KEYS = frozenset(
         "fallback_model_dir",
     }
 )
-"""Options of a ``mage_vl`` stage that configure the engine (validated by ``VllmOptions``)."""
+"""Options of a ``mage_vl`` stage that configure the engine (validated by
+``MageVLEngineOptions``)."""
 
 SESSION_META = "session_id"
 """Window metadata key naming the session the window belongs to."""
@@ -96,7 +97,8 @@ _PLACEHOLDERS = {
 
 
 class MageVLOptions(BaseModel):
-    """The Mage-VL part of a ``mage_vl`` stage's options (engine keys go to ``VllmOptions``)."""
+    """The Mage-VL part of a ``mage_vl`` stage's options (engine keys go to
+    ``MageVLEngineOptions``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -108,6 +110,14 @@ class MageVLOptions(BaseModel):
     max_gate_tasks: int = Field(4, ge=1, le=64)
     """Gate calls one session runs at once; a window arriving past that is not gated
     (bounds the engine load one video stream causes; upstream has no bound)."""
+    image_placeholder: str | None = Field(None, min_length=1, max_length=64)
+    """Text standing for one image in the model's prompts (``<image>`` for Idefics3 and
+    SmolVLM, ``(<image>./</image>)`` for MiniCPM-V): set, each window line ends with one per
+    frame and the request carries the frames as images (``mage_vl_media``); unset, windows
+    are described in text only."""
+    frame_tokens: int = Field(0, ge=0, le=65_536)
+    """Prompt tokens one frame adds once vLLM expands its placeholder, counted when the
+    window lines are fitted into ``max_model_len`` (0: not counted)."""
     hold_decisions_while_responding: bool = True
     """A gate decision waits while an answer or remark streams instead of cutting it
     short when the next frame arrives (upstream lets it start at once)."""
@@ -186,7 +196,7 @@ def _placeholders(template: str, name: str) -> set[str]:
 class MageVLConfig(NamedTuple):
     """A ``mage_vl`` stage's validated options: the engine's and the stage's own."""
 
-    engine: VllmOptions
+    engine: MageVLEngineOptions
     stage: MageVLOptions
 
 
@@ -195,12 +205,12 @@ def parse_options(stage: str, options: Mapping[str, Any]) -> MageVLConfig:
     engine_part = {key: value for key, value in options.items() if key in ENGINE_KEYS}
     own_part = {key: value for key, value in options.items() if key not in ENGINE_KEYS}
     problems: list[str] = []
-    engine: VllmOptions | None = None
+    engine: MageVLEngineOptions | None = None
     own: MageVLOptions | None = None
     try:
         # The chat options of VllmOptions do not apply here; max_tokens=1 only keeps its
         # budget check out of the way (the two budgets below are checked instead).
-        engine = VllmOptions.model_validate({**engine_part, "max_tokens": 1})
+        engine = MageVLEngineOptions.model_validate({**engine_part, "max_tokens": 1})
     except ValidationError as exc:
         problems += _problems(exc)
     try:

@@ -53,11 +53,15 @@ which events were already spoken from the stage's published ``done`` outputs
 (so a new owner does not repeat them); windows are not replayed, the gate
 resumes once ``window_size`` new windows arrived.
 
-Real Mage-VL. The prompts describe the windows in text; that is all the tiny
-test model can take. A vision-language Mage-VL checkpoint needs the frames
-themselves: ``_engine_prompt`` is the one place that turns a chat and its
-windows into the engine's prompt, and is where the decoded frames would go as
-vLLM ``multi_modal_data`` (see ``docs/gpu-mage-vl.md``).
+Frames. With ``image_placeholder`` set, prompts carry one placeholder per
+frame of each described window and the request carries those frames as
+images (``mage_vl_media``); vLLM's processor for the model turns each into
+the model's image tokens. Such requests go through the engine's
+multimodal ``stream`` (``MiniCPMOEngine``, the default engine: the ``vllm``
+stage's engine taking caller-built sampling parameters and
+``multi_modal_data``). Without it the prompts describe windows in text only,
+which is what a text model (the tiny test model) takes. A checkpoint whose
+code transformers does not ship needs ``trust_remote_code = true``.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ import contextlib
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,9 +98,11 @@ from workers.backends.mage_vl_core import (
     to_draft,
     verdict,
 )
+from workers.backends.mage_vl_media import image_data, with_placeholders
+from workers.backends.minicpmo_engine import DuplexStep, MiniCPMOEngine
 from workers.backends.request_log import RequestLog
-from workers.backends.vllm_engine import SamplingSpec, VllmEngine
-from workers.backends.vllm_history import released_by
+from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine
+from workers.backends.vllm_history import ChatMessages, released_by
 
 log = logging.getLogger("duplexq.worker.mage_vl")
 
@@ -172,7 +178,7 @@ class MageVLStage:
         self.stage = stage
         self.options: MageVLOptions = config.stage
         self.engine_options = config.engine
-        self.engine = engine or VllmEngine(config.engine)
+        self.engine = engine or MiniCPMOEngine(config.engine)
         self._owns_engine = engine is None
         self.adapter = MageVLAdapter(
             self._gate,
@@ -389,16 +395,52 @@ class MageVLStage:
 
     def _engine_prompt(
         self, builder: PromptBuilder, windows: Sequence[VisualWindow], max_tokens: int
-    ) -> tuple[str, list[int], int]:
-        """Prompt text, token ids and how many windows it describes.
+    ) -> tuple[str, list[int], int, dict[str, Any] | None]:
+        """Prompt text, token ids, how many windows it describes and their frames.
 
-        A vision-language checkpoint takes the frames of the described windows
-        here too, decoded, as the request's ``multi_modal_data`` next to the ids.
+        The frames (vLLM's ``multi_modal_data``) come only with an
+        ``image_placeholder``: they are those of the described windows, the newest
+        ``kept``, in the order of their placeholders.
         """
         budget = self.engine_options.max_model_len - max_tokens
-        chat, kept = fit_lines(builder, describe_all(windows), self.engine.count, budget)
+        lines = describe_all(windows)
+        placeholder = self.options.image_placeholder
+        if placeholder is not None:
+            lines = with_placeholders(lines, windows, placeholder)
+        chat, kept = fit_lines(builder, lines, self._counter(), budget)
         prompt = self.engine.render(chat)
-        return prompt, self.engine.encode(prompt), kept
+        described = windows[len(windows) - kept :]
+        data = image_data(described) if placeholder is not None else None
+        return prompt, self.engine.encode(prompt), kept, data
+
+    def _counter(self) -> Callable[[ChatMessages], int]:
+        """Prompt tokens of a chat, each frame counted at ``frame_tokens`` once expanded."""
+        placeholder, extra = self.options.image_placeholder, self.options.frame_tokens
+        if placeholder is None or not extra:
+            return self.engine.count
+
+        def count(chat: ChatMessages) -> int:
+            frames = sum(str(message.get("content", "")).count(placeholder) for message in chat)
+            return self.engine.count(chat) + frames * extra
+
+        return count
+
+    def _steps(
+        self, prompt_ids: list[int], spec: SamplingSpec, request_id: str, data: Any
+    ) -> AsyncIterator[EngineStep | DuplexStep]:
+        """The engine's steps for one request, with its frames when it has any."""
+        if data is None:
+            return self.engine.generate(prompt_ids, spec, request_id)
+        if not isinstance(self.engine, MiniCPMOEngine):
+            raise BackendError("image_placeholder is set but the engine takes no images")
+        params = self.engine.sampling_params(
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            seed=spec.seed,
+            skip_special_tokens=True,
+        )
+        return self.engine.stream(prompt_ids, params, request_id, data)
 
     async def _stream(
         self,
@@ -410,7 +452,7 @@ class MageVLStage:
     ) -> AsyncGenerator[str, None]:
         """One engine request: its text pieces; however it ends, it leaves the engine."""
         await self.engine.ready()
-        prompt, prompt_ids, kept = self._engine_prompt(builder, windows, max_tokens)
+        prompt, prompt_ids, kept, data = self._engine_prompt(builder, windows, max_tokens)
         role = f"{self.stage}-{purpose}-{next(self._numbers)}"
         request_id = make_request_id(session.ctx.fence, role)
         record = self.records.add(
@@ -427,7 +469,7 @@ class MageVLStage:
         session.live.add(request_id)
         finish: str | None = None
         try:
-            async for step in self.engine.generate(prompt_ids, spec, request_id):
+            async for step in self._steps(prompt_ids, spec, request_id, data):
                 if step.finish_reason == "abort":
                     break
                 if step.text:
