@@ -90,7 +90,7 @@ class Stack:
         out, err = await proc.communicate()
         if proc.returncode != 0:
             raise Failed(f"{' '.join(argv)} failed: {err.decode()}")
-        return out.decode()
+        return out.decode(errors="replace")  # redis-cli prints binary fields as they are
 
     async def compose(self, *args: str) -> str:
         return await self.run("docker-compose", "-p", self.project, *args)
