@@ -274,7 +274,16 @@ async def test_spoken_turn_is_answered_and_interruptions_silence_it(settings, tm
         end = await demo.wait_for(
             f"s.eventCounts['input_audio_buffer.speech_stopped'] > {stopped_before}", 20
         )
+        panes = await _panes(demo)
     assert_cut_for_good(first_cut, at_stop, end)
+    # Each message shows once: the typed one under "You", each answer's text once
+    # (its audio transcript, the text of an answer that is only spoken); the answers
+    # the interruptions cut are marked where they were cut.
+    assert panes["user"].count(LONG_ANSWER) == 1
+    spoken_answers = [line for line in panes["assistant"] if "long answer" in line["text"]]
+    assert spoken_answers and all(line["text"].count("Here is") == 1 for line in spoken_answers)
+    cut = {line["id"] for line in panes["assistant"] if line["cut"]}
+    assert set(first_cut["responseIds"]) | set(second_cut["responseIds"]) <= cut
     assert_cut_for_good(second_cut, barged, end)
     lat = end["latencies"]
     assert lat["turns"][0]["trigger"] == "speech_stopped"
@@ -287,6 +296,51 @@ async def test_spoken_turn_is_answered_and_interruptions_silence_it(settings, tm
         "barge-ins:",
         [(b["trigger"], b["silenceMs"], b["cancelledMs"], b["voiceMs"]) for b in lat["bargeIns"]],
     )
+
+
+async def _panes(demo: DemoPage) -> dict[str, Any]:
+    """The lines of the page's two panes, as a user sees them."""
+    panes: dict[str, Any] = await demo.evaluate(
+        """() => ({
+            user: [...document.querySelectorAll("#user-transcript li")].map((li) => li.textContent),
+            assistant: [...document.querySelectorAll("#assistant-text li")].map((li) => ({
+                id: li.dataset.id || null, text: li.textContent,
+                cut: li.classList.contains("cut"), call: li.classList.contains("call")})),
+        })"""
+    )
+    return panes
+
+
+async def test_the_page_offers_a_tool_runs_the_call_and_shows_it(settings, tmp_path):
+    """The echo thinker calls the session's first tool for a ``call:`` message (and
+    echoes the microphone's audio, muted here, as answers of its own)."""
+    pipeline = streaming_echo()
+    wav = tmp_path / "tone.wav"
+    write_tone_wav(wav, hz=TONE_HZ)
+    async with (
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "echo"),
+        demo_page(http(base), wav) as demo,
+    ):
+        await demo.page.check("#mute")
+        await demo.page.check("#tool")
+        await demo.page.click("#connect")
+        await demo.wait_for("s.connected")
+        await demo.page.fill("#text", "call:what time is it")
+        await demo.page.click("#send")
+        state = await demo.wait_for(
+            "s.calls.length === 1 && s.assistantText.includes(s.calls[0].result)"
+        )
+        panes = await _panes(demo)
+    [call] = state["calls"]
+    assert call["name"] == "get_current_time" and call["result"]
+    assert panes["user"] == ["call:what time is it"]
+    calls = [line["text"] for line in panes["assistant"] if line["call"]]
+    assert calls == [f"get_current_time({call['arguments']}) → {call['result']}"]
+    # The model's answer to the result: the echo says the result back.
+    answers = [line["text"] for line in panes["assistant"] if not line["call"]]
+    assert answers == [call["result"]]
+    assert state["errors"] == []
 
 
 def assert_cut_for_good(stop: dict[str, Any], at_stop: dict[str, Any], end: dict[str, Any]) -> None:

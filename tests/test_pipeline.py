@@ -9,7 +9,7 @@ from dataplane.metrics import value
 from schemas.config import echo_pipeline
 from schemas.events import OutputKind, TextPayload
 from schemas.fence import Fence
-from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
+from tests.pipeline_helpers import collect, fast_settings, outputs_of, read_until, running_worker
 from workers.backends.base import BackendError, OutputDraft
 from workers.backends.echo import EchoBackend
 from workers.runtime import Worker
@@ -123,7 +123,13 @@ async def test_barge_in_under_load(settings):
             # s0 delivers nothing of epoch 0.
             after = outputs_of(await collect(coordinator, 200))
             await coordinator.append("s0", "append_text", TextPayload("new"))
-            after += outputs_of(await collect(coordinator, 40))
+            # Until s0's new answer is complete (the other sessions stream meanwhile).
+            after += outputs_of(
+                await read_until(
+                    coordinator,
+                    lambda got: "".join(o.text for o in outputs_of(got, session="s0")) == "new",
+                )
+            )
             backend = worker.backend
         s0 = [o for o in after if o.fence.session_id == "s0"]
         assert all(o.fence.epoch == 1 for o in s0)

@@ -24,6 +24,16 @@
 // `openai-insecure-api-key.<secret>` beside `realtime`. Where the server allows
 // anonymous clients the key may stay empty.
 //
+// Each message shows once: the user's typed text when sent, their speech when
+// transcribed; an answer's text from its text deltas, or from its audio
+// transcript when it has no text. An answer cut by an interruption is marked
+// where it was cut. The first answer of a session waits for the models to load
+// (a stage loads its model when its first session arrives): the page says so.
+//
+// Tools: with "Offer a tool" checked the session declares get_current_time; when
+// the model calls it the page runs it, shows the call and its result, and sends
+// the result back (function_call_output, then response.create).
+//
 // window.duplexqDemo exposes the page's state for tests and for the curious.
 
 import { Player } from "./player.js";
@@ -65,6 +75,8 @@ function newState() {
     lastStopReason: null,
     stops: [], // {reason, responseIds, cutChunks, at}
     acks: [], // duplexq.playback.ack sent
+    calls: [], // {call_id, name, arguments, result}: function calls the page ran
+    answered: false, // a response delta arrived in this session (the models are loaded)
     responses: {}, // id -> per-response playback record
     latencies: {
       firstDeltaMs: null, // turn end -> first response delta (latest turn)
@@ -94,6 +106,7 @@ class Demo {
     this.epoch = 0; // highest fence epoch seen
     this.minEpoch = 0; // audio of older epochs is stale
     this.stopped = new Set(); // response ids whose playback was cut
+    this.heardItems = new Set(); // the user's items already shown
     this.speechStage = null; // the stage whose speech events this page follows
     this.pendingTurn = null; // {trigger, at, firstDelta, firstAudio}
     this.pendingBargeIn = null;
@@ -140,6 +153,7 @@ class Demo {
     this.epoch = 0;
     this.minEpoch = 0;
     this.stopped.clear();
+    this.heardItems.clear();
     this.speechStage = null;
     this.pendingTurn = null;
     this.pendingBargeIn = null;
@@ -169,10 +183,9 @@ class Demo {
     ws.onopen = () => {
       this.openedAt = performance.now();
       // Sent first: the server reads it before it announces the session.
-      this.send({
-        type: "session.update",
-        session: { input_audio_format: "pcm16", input_audio_sample_rate: INPUT_RATE },
-      });
+      const session = { input_audio_format: "pcm16", input_audio_sample_rate: INPUT_RATE };
+      if ($("tool").checked) session.tools = [CURRENT_TIME_TOOL];
+      this.send({ type: "session.update", session });
     };
     ws.onmessage = (message) => this.onServerEvent(JSON.parse(message.data));
     ws.onclose = (e) => this.onClosed(ws, e);
@@ -386,6 +399,12 @@ class Demo {
     this.addUserLine(text);
     this.send({ type: "response.create" });
     this.beginTurn("text");
+    this.awaitAnswer();
+  }
+
+  /** After a turn ends: the first answer of a session waits for the models to load. */
+  awaitAnswer() {
+    this.setStatus(this.state.answered ? "thinking…" : "loading the models for the first answer…");
   }
 
   interrupt() {
@@ -439,7 +458,7 @@ class Demo {
       this.setStatus("hearing you…");
     } else {
       this.beginTurn("speech_stopped", at);
-      this.setStatus("thinking…");
+      this.awaitAnswer();
     }
   }
 
@@ -448,6 +467,9 @@ class Demo {
   }
 
   onTranscription(event) {
+    // One line per utterance, however many stages report its transcript.
+    if (this.heardItems.has(event.item_id)) return;
+    this.heardItems.add(event.item_id);
     this.addUserLine(event.transcript);
   }
 
@@ -475,13 +497,39 @@ class Demo {
       return;
     }
     this.markFirstDelta(audio);
+    this.state.answered = true;
     if (audio) {
       this.player.schedule(event.response_id, pcm16ToFloat(base64ToBytes(event.delta)));
       record.scheduled++;
       this.setStatus("speaking");
-    } else {
-      this.addAssistantText(event.response_id, event.delta);
+      return;
     }
+    // One text per answer: its text deltas, or its audio transcript when it has none.
+    const kind = event.type === "response.output_text.delta" ? "text" : "transcript";
+    record.shown = record.shown || kind;
+    if (record.shown === kind) this.addAssistantText(event.response_id, event.delta);
+    if (this.state.status.startsWith("loading") || this.state.status === "thinking…") {
+      this.setStatus("answering");
+    }
+  }
+
+  /** The model called a function: run it, show it, and give the result back. */
+  onFunctionCall(event) {
+    const tool = TOOLS[event.name];
+    let args = {};
+    try {
+      args = JSON.parse(event.arguments || "{}");
+    } catch {
+      args = {};
+    }
+    const result = tool ? tool(args) : `no function named ${event.name}`;
+    this.state.calls.push({ call_id: event.call_id, name: event.name, arguments: event.arguments, result });
+    this.addCallLine(`${event.name}(${event.arguments || ""}) → ${result}`);
+    this.send({
+      type: "conversation.item.create",
+      item: { type: "function_call_output", call_id: event.call_id, output: result },
+    });
+    this.send({ type: "response.create" });
   }
 
   onResponseDone(event) {
@@ -600,6 +648,7 @@ class Demo {
       }
       record.stopped = true;
       this.stopped.add(id);
+      this.markCut(id);
       this.ack(record);
     }
     const unplayed = cut.filter((e) => e.start >= now).length;
@@ -665,6 +714,24 @@ class Demo {
     $("user-transcript").append(item);
   }
 
+  addCallLine(text) {
+    const item = document.createElement("li");
+    item.className = "call";
+    item.textContent = text;
+    $("assistant-text").append(item);
+  }
+
+  /** Mark where an answer was cut: what follows was never heard. */
+  markCut(responseId) {
+    const item = document.querySelector(`#assistant-text li[data-id="${CSS.escape(responseId)}"]`);
+    if (!item || item.classList.contains("cut")) return;
+    item.classList.add("cut");
+    const mark = document.createElement("span");
+    mark.className = "cut-mark";
+    mark.textContent = " ✂ cut off here";
+    item.append(mark);
+  }
+
   addAssistantText(responseId, text) {
     this.state.assistantText += text;
     let item = document.querySelector(`#assistant-text li[data-id="${CSS.escape(responseId)}"]`);
@@ -673,7 +740,8 @@ class Demo {
       item.dataset.id = responseId;
       $("assistant-text").append(item);
     }
-    item.textContent += text;
+    if (item.classList.contains("cut")) return; // nothing after the cut was heard
+    item.append(document.createTextNode(text));
   }
 
   renderLatency() {
@@ -700,6 +768,19 @@ const HANDLERS = {
   "response.output_audio_transcript.delta": Demo.prototype.onDelta,
   "response.done": Demo.prototype.onResponseDone,
   "duplexq.response.cancelled": Demo.prototype.onCancelled,
+  "response.function_call_arguments.done": Demo.prototype.onFunctionCall,
+};
+
+/** The page's built-in tool, offered when "Offer a tool" is checked. */
+const CURRENT_TIME_TOOL = {
+  type: "function",
+  name: "get_current_time",
+  description: "The current local date and time of the user.",
+  parameters: { type: "object", properties: {} },
+};
+
+const TOOLS = {
+  get_current_time: () => new Date().toString(),
 };
 
 /** duplexq's own fields of a server event (its ``duplexq`` object: seq, fence, stage). */

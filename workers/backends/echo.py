@@ -53,6 +53,10 @@ def _int_option(options: Mapping[str, Any], name: str, default: int, high: int) 
     return value
 
 
+_NAMING = ("item", "typed", "role", "segment", "commit_seq")
+"""Meta keys that say what an output is (``schemas.items``), echoed with it."""
+
+
 def _split(data: bytes | str, parts: int) -> list[Any]:
     size = max(1, -(-len(data) // parts))
     return [data[i : i + size] for i in range(0, len(data), size)] or [data]
@@ -143,9 +147,13 @@ class EchoBackend:
         self, ctx: StageContext, event: StageEvent, kind: OutputKind, content: Any
     ) -> AsyncIterator[OutputDraft]:
         """``content`` as ``kind`` drafts, in ``chunks`` pieces ``step_ms`` apart."""
-        source = {"source": event.seq}
+        source: dict[str, str | int | float | bool] = {"source": event.seq}
         if isinstance(event, InputEvent):
             source["turn_seq"] = event.turn_seq
+        elif event.kind is kind:
+            # What names the echoed output passes on with it (whose item, typed or
+            # heard, the assistant's or the user's): the echo is the same thing again.
+            source |= {k: v for k, v in event.meta.items() if k in _NAMING}
         pieces = _split(content, self.chunks) if kind is not OutputKind.DONE else [content]
         streaming = len(pieces) > 1
         epoch = ctx.fence.epoch
