@@ -174,6 +174,10 @@ class Session:
         mark = len(self.seen)
         sent = await self.ask(text)
         done = await self.until("response.done")
+        # A response the pipeline began before this one (the echo pipeline answers
+        # the item itself) ends superseded by it.
+        while reason(done) == "superseded":
+            done = await self.until("response.done")
         if done["response"]["status"] != "completed":
             raise Failed(f"response {done['response']['status']}: {done['response']}")
         events = self.seen[mark:]
@@ -188,6 +192,12 @@ OUTPUT_DELTAS = (
     "response.output_audio_transcript.delta",
     "response.output_audio.delta",
 )
+
+
+def reason(done: dict[str, Any]) -> str | None:
+    """duplexq's reason a ``response.done`` gives for its status, if any."""
+    details = done["response"].get("status_details") or {}
+    return (details.get("duplexq") or {}).get("reason")
 
 
 def words(events: list[dict[str, Any]]) -> str:
@@ -217,6 +227,7 @@ async def barge_in(session: Session, stack: Stack) -> None:
     first = await session.until(*OUTPUT_DELTAS)
     await session.connection.send_raw(json.dumps({"type": "duplexq.barge_in"}))
     cancelled = await session.until("duplexq.response.cancelled")
+    cut = [e for e in session.seen[mark:] if e["type"] in OUTPUT_DELTAS]
     epoch = cancelled["duplexq"]["fence"]["epoch"]
     stale_response = first["response_id"]
     answer, _, after = await session.answer("Say hello.")
@@ -228,8 +239,7 @@ async def barge_in(session: Session, stack: Stack) -> None:
     ]  # fmt: skip
     if stale:
         raise Failed(f"{len(stale)} stale events after the barge-in, first {stale[0]}")
-    cut = [e for e in session.seen[mark:] if e["type"] in OUTPUT_DELTAS]
-    print(f"barge-in: cut after {len(cut)} output deltas, next answer {answer!r}")
+    print(f"barge-in: the answer cut after {len(cut)} output deltas; the next: {answer!r}")
 
 
 async def lease_owner(stack: Stack, session_id: str, stage: str) -> tuple[str, int]:
