@@ -84,11 +84,11 @@ class Recorder:
         self._generate = llm.generate
 
     async def generate(self, prompt, params, request_id, *args, **kwargs):
-        last = None
+        self.requests[request_id] = (prompt, None)
         async for output in self._generate(prompt, params, request_id, *args, **kwargs):
-            last = output
+            # Kept as it comes: the stage may close the stream after any step.
+            self.requests[request_id] = (prompt, output)
             yield output
-        self.requests[request_id] = (prompt, last)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -17,6 +17,7 @@ from PIL import Image
 from schemas.events import AudioPayload, TextPayload, UnitPayload, VideoPayload
 from workers.backends.minicpmo_media import (
     decode_audio,
+    engine_prompt,
     multi_modal_data,
     unit_media,
 )
@@ -108,3 +109,17 @@ def test_a_prompt_without_media_sends_none():
     prompt.add((1, 2, 3))
     assert multi_modal_data(prompt.media) is None
     assert multi_modal_data([]) is None
+
+
+def test_the_engine_gets_one_marker_per_item_in_place_of_each_placeholder_run():
+    unk, image, audio = 0, (7, 8), (9,)
+    pair = VideoPayload((png((10, 10), (1, 1, 1)), png((10, 10), (2, 2, 2))))
+    prompt = DuplexPrompt(prefix=(unk,) * 3)
+    prompt.add(
+        (unk,) * (198 + 12), unit_media(UnitPayload(AudioPayload(tone(1.0).tobytes()), pair), 210)
+    )
+    prompt.answer((40, 41))  # the model's answer to the unit stays after its markers
+    prompt.add((50, 51))  # text: sent as it is
+    prompt.add((unk,) * 16, unit_media(AudioPayload(tone(0.5).tobytes()), 16))
+    sent = engine_prompt(prompt.prefix, prompt.segments, prompt.media, image, audio)
+    assert sent == [unk] * 3 + [7, 8, 7, 8, 9, 40, 41] + [50, 51] + [9]

@@ -16,6 +16,15 @@ module is pure (no engine, no I/O):
   have no data, so a bad frame shows as that request's error, not as silence.
 - ``multi_modal_data(media)`` joins the media of the prompt's segments, in
   prompt order, into vLLM's dict; None when there is none (a text prompt).
+- ``engine_prompt(...)``: the token ids the engine gets. The session prompt
+  holds a budget-sized run of placeholders per unit, which is what the unit
+  occupies once vLLM has expanded it (the budget is how the stage fits its
+  prompt). vLLM expands a token-id prompt itself: it looks for the model's
+  own marker per item (``(<image>./</image>)`` and ``(<audio>./</audio>)``
+  for MiniCPM-o) and replaces each with that item's tokens. So each unit's
+  run is sent as one image marker per frame and one audio marker per audio;
+  after vLLM's expansion the prompt is again as long as the stage counted
+  it, when the budget rules and the model's agree.
 
 The prompt keeps one ``UnitMedia`` per segment (``DuplexPrompt``), so a
 segment dropped from the prompt drops its media with it.
@@ -24,7 +33,7 @@ segment dropped from the prompt drops its media with it.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +56,8 @@ class UnitMedia:
     audio: tuple[np.ndarray, ...] = ()
     problems: tuple[str, ...] = ()
     """What could not be decoded (dropped), for the stage's log."""
+    placeholders: int = 0
+    """Leading tokens of the segment that stand for this media (its budget)."""
 
     def __bool__(self) -> bool:
         return bool(self.images or self.audio)
@@ -90,7 +101,7 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
     return resampled
 
 
-def unit_media(payload: object) -> UnitMedia:
+def unit_media(payload: object, placeholders: int = 0) -> UnitMedia:
     """The media of one input payload (module docstring); ``NO_MEDIA`` for text."""
     video: VideoPayload | None = None
     audio: AudioPayload | None = None
@@ -115,7 +126,7 @@ def unit_media(payload: object) -> UnitMedia:
             problems.append(f"audio in {audio.format!r} cannot be decoded")
         else:
             samples = (decoded,)
-    return UnitMedia(tuple(images), samples, tuple(problems))
+    return UnitMedia(tuple(images), samples, tuple(problems), placeholders)
 
 
 def multi_modal_data(media: Iterable[UnitMedia]) -> dict[str, Any] | None:
@@ -131,3 +142,28 @@ def multi_modal_data(media: Iterable[UnitMedia]) -> dict[str, Any] | None:
     if audio:
         data["audio"] = audio
     return data or None
+
+
+def engine_prompt(
+    prefix: Sequence[int],
+    segments: Iterable[Sequence[int]],
+    media: Iterable[UnitMedia],
+    image_marker: Sequence[int],
+    audio_marker: Sequence[int],
+) -> list[int]:
+    """The prompt for the engine: each segment's placeholder run as per-item markers.
+
+    A segment with media starts with ``placeholders`` placeholder tokens (what
+    follows is the model's answer to the unit); they become one
+    ``image_marker`` per image and one ``audio_marker`` per audio, in the
+    order of the unit's placeholders (video first, then audio).
+    """
+    ids = list(prefix)
+    for segment, item in zip(segments, media, strict=True):
+        if item.placeholders:
+            ids.extend(list(image_marker) * len(item.images))
+            ids.extend(list(audio_marker) * len(item.audio))
+            ids.extend(segment[item.placeholders :])
+        else:
+            ids.extend(segment)
+    return ids

@@ -53,6 +53,12 @@ class MiniCPMOOptions(VllmOptions):
     """Whether requests carry each unit's frames and audio as ``multi_modal_data``;
     unset: when vLLM serves the model as multimodal (a text model takes placeholders
     alone)."""
+    image_marker: str = Field("(<image>./</image>)", min_length=1, max_length=64)
+    """What vLLM's processor for the model expands into one image's tokens; with
+    ``send_media`` each frame is sent as one (MiniCPM-o's marker by default)."""
+    audio_marker: str = Field("(<audio>./</audio>)", min_length=1, max_length=64)
+    """What vLLM's processor for the model expands into one audio's tokens; with
+    ``send_media`` each unit's audio is sent as one (MiniCPM-o's marker by default)."""
     context_reserve: int = Field(DEFAULT_CONTEXT_RESERVE, ge=0, le=65_536)
     """Context tokens the first append of a session reserves for the system prefix."""
     listen_stops: bool = True

@@ -230,8 +230,8 @@ class UnitTurn:
 
 Plan = Callable[[InputEvent, bool], AppendPlan | None]
 """Plans one recorded input (``first_append`` as the second argument); None skips it."""
-Media = Callable[[InputEvent], UnitMedia]
-"""The decoded media of one recorded input."""
+Media = Callable[[InputEvent, AppendPlan], UnitMedia]
+"""The decoded media of one recorded input, given its plan."""
 
 
 def rebuild(
@@ -239,7 +239,7 @@ def rebuild(
     inputs: Sequence[StageEvent],
     outputs: Sequence[OutputEvent],
     plan: Plan,
-    media: Media = lambda event: NO_MEDIA,
+    media: Media = lambda event, plan: NO_MEDIA,
 ) -> dict[int, tuple[int, ...]]:
     """Replay recorded inputs and this stage's accepted outputs into ``prompt``.
 
@@ -258,6 +258,6 @@ def rebuild(
             assert isinstance(event, InputEvent)
             planned = plan(event, prompt.first_append)
             if planned is not None:
-                prompt.add_plan(planned, media(event))
+                prompt.add_plan(planned, media(event, planned))
         prompt.answer(answers.pop(event.seq, ()))
     return {seq: tuple(ids) for seq, ids in answers.items() if seq > last_seq}

@@ -41,10 +41,14 @@ Multimodal data. Each unit's media (``minicpmo_media``: frames as PIL
 images, audio as float32 arrays at 16 kHz) is decoded when it joins the
 prompt and kept with its segment; every request carries the media of the
 segments still in the prompt as vLLM's ``multi_modal_data``, in prompt
-order. Only for a multimodal model (``send_media``; by default what vLLM's
-model config says): the tiny text model the tests use takes placeholders
-alone. What vLLM's MiniCPM-o processor makes of the extension's placeholder
-runs is checked on a GPU only (``bench/gpu_minicpmo_media.py``).
+order, and each unit's run of placeholders goes to the engine as the
+model's per-item markers (``image_marker``, ``audio_marker``), which vLLM
+expands (``minicpmo_media.engine_prompt``). Only for a multimodal model
+(``send_media``; by default what vLLM's model config says): the tiny text
+model of the duplex tests takes the placeholder runs as they are. Whether
+vLLM's MiniCPM-o processor expands each item to exactly the budget (66
+tokens per image block, 12 per second of audio) is checked on a GPU only
+(``bench/gpu_minicpmo_media.py``).
 
 Options: see ``minicpmo_options.MiniCPMOOptions``. The pure rules live in
 ``minicpmo_session``; the engine (the ``vllm`` stage's, taking caller-built
@@ -72,7 +76,13 @@ from workers.backends.minicpmo_engine import (
     OutputView,
     token_lookup,
 )
-from workers.backends.minicpmo_media import NO_MEDIA, UnitMedia, multi_modal_data, unit_media
+from workers.backends.minicpmo_media import (
+    NO_MEDIA,
+    UnitMedia,
+    engine_prompt,
+    multi_modal_data,
+    unit_media,
+)
 from workers.backends.minicpmo_options import MiniCPMOOptions, parse_minicpmo_options
 from workers.backends.minicpmo_session import (
     Contribution,
@@ -110,6 +120,19 @@ class Duplex:
     prompt_budget: int
     send_media: bool = False
     """Whether requests carry the units' media (the model takes ``multi_modal_data``)."""
+    image_marker: tuple[int, ...] = ()
+    audio_marker: tuple[int, ...] = ()
+    """The token ids of the options' markers (with ``send_media``)."""
+
+    def engine_prompt(self, prompt: DuplexPrompt) -> tuple[int, ...]:
+        """What the engine gets for ``prompt``: markers in place of placeholder runs."""
+        if not self.send_media:
+            return tuple(prompt.tokens())
+        return tuple(
+            engine_prompt(
+                prompt.prefix, prompt.segments, prompt.media, self.image_marker, self.audio_marker
+            )
+        )
 
     def view(self, step: DuplexStep) -> OutputView:
         completion = CompletionView(step.token_ids, step.text, step.stop_reason, step.finish_reason)
@@ -283,7 +306,7 @@ class MiniCPMOStage:
                 inputs,
                 outputs,
                 lambda e, first: self._replan(duplex, e, first),
-                lambda e: self._media(duplex, e),
+                lambda e, plan: self._media(duplex, e, plan),
             )
         return duplex
 
@@ -329,8 +352,17 @@ class MiniCPMOStage:
             )
         except (TypeError, ValueError) as exc:
             raise BackendError(f"bad duplex sampling options: {exc}") from exc
+        markers = (self.options.image_marker, self.options.audio_marker)
+        image_marker, audio_marker = (tuple(self.engine.encode(m)) for m in markers)
         return Duplex(
-            extension, token_ids, special_ids, params, self.options.prompt_budget, send_media
+            extension,
+            token_ids,
+            special_ids,
+            params,
+            self.options.prompt_budget,
+            send_media,
+            image_marker,
+            audio_marker,
         )
 
     @staticmethod
@@ -352,14 +384,15 @@ class MiniCPMOStage:
 
     def _append(self, duplex: Duplex, session: DuplexSession, event: InputEvent) -> None:
         plan = self._plan(duplex, event, session.prompt.first_append)
-        session.prompt.add_plan(plan, self._media(duplex, event))
+        session.prompt.add_plan(plan, self._media(duplex, event, plan))
 
     @staticmethod
-    def _media(duplex: Duplex, event: InputEvent) -> UnitMedia:
+    def _media(duplex: Duplex, event: InputEvent, plan: AppendPlan) -> UnitMedia:
         """The input's decoded media when requests carry media, else none."""
         if not duplex.send_media:
             return NO_MEDIA
-        media = unit_media(event.payload)
+        placeholders = plan.buffer.placeholder_count
+        media = unit_media(event.payload, placeholders)
         for problem in media.problems:
             log.warning("seq %d: %s; dropped from the request's media", event.seq, problem)
         return media
@@ -382,7 +415,8 @@ class MiniCPMOStage:
         finish: str | None = None
         try:
             data = self.multi_modal_data(session)
-            async for step in self.engine.stream(prompt, duplex.params, request_id, data):
+            sent = duplex.engine_prompt(session.prompt)
+            async for step in self.engine.stream(sent, duplex.params, request_id, data):
                 if request_id not in session.live or step.finish_reason == "abort":
                     break  # released meanwhile: nothing more for this unit
                 emissions = turn.read(duplex.extension.decide_output(duplex.view(step)))
