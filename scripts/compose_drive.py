@@ -230,8 +230,9 @@ async def barge_in(session: Session, stack: Stack) -> None:
     cut = [e for e in session.seen[mark:] if e["type"] in OUTPUT_DELTAS]
     epoch = cancelled["duplexq"]["fence"]["epoch"]
     stale_response = first["response_id"]
-    answer, _, after = await session.answer("Say hello.")
+    answer, first_s, after = await session.answer("Say hello.")
     check_words(answer)
+    stack.figures["turn end to first output, engine started"] = f"{first_s:.2f} s"
     stale = [
         e for e in after
         if e.get("response_id") == stale_response
