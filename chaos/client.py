@@ -92,6 +92,8 @@ class ChaosClient:
         self._call: str | None = None
         """The outstanding attempt's function call, waiting for this client's result."""
         self._result_for: str | None = None
+        """The call this client's last result answered, and the socket it went on."""
+        self._result_socket: ClientConnection | None = None
         self._result_acked = False
 
     # -- recording -------------------------------------------------------------------
@@ -272,10 +274,10 @@ class ChaosClient:
         """Answer the model's call with the blocks it asked for (again after a lost
         socket when the result was not acknowledged: a result taken twice is answered
         by one response with the blocks and one empty one)."""
-        if self._result_for == call_id and not self._lost_socket.is_set():
-            return
+        if self._result_for == call_id and self._result_socket is self._socket:
+            return  # sent on this socket: its acknowledgement will come
         assert self.outstanding is not None
-        self._result_for = call_id
+        self._result_for, self._result_socket = call_id, self._socket
         self._record("result_sent", attempt=self.outstanding, detail=call_id)
         result = {"type": "function_call_output", "call_id": call_id,
                   "output": self.outstanding.text()}  # fmt: skip

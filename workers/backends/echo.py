@@ -19,7 +19,7 @@ commit, echoed like a text. A downstream echo passes calls on as they are.
 
 Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0).
 Echo keeps no state between events but a function's result waiting for its
-commit, so a takeover reads no history.
+commit: a takeover reads the newest inputs to find one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from schemas.events import (
     session_payload_of,
 )
 from schemas.fence import Fence
-from workers.backends.base import NO_HISTORY, OutputDraft, StageContext, StageEvent
+from workers.backends.base import OutputDraft, RebuildWindow, StageContext, StageEvent
 
 
 def _int_option(options: Mapping[str, Any], name: str, default: int, high: int) -> int:
@@ -53,6 +53,8 @@ def _int_option(options: Mapping[str, Any], name: str, default: int, high: int) 
     return value
 
 
+REBUILD_INPUTS = 16
+"""Newest inputs a takeover reads for a function's result waiting for its commit."""
 _NAMING = ("item", "typed", "role", "segment", "commit_seq")
 """Meta keys that say what an output is (``schemas.items``), echoed with it."""
 
@@ -71,8 +73,9 @@ class EchoBackend:
     """Echo answers each input as it comes; a response reserved meanwhile does not
     make those answers stale."""
     edits_conversation = False
-    rebuild = NO_HISTORY
-    """Nothing to rebuild: every event is answered on its own."""
+    rebuild = RebuildWindow(inputs=REBUILD_INPUTS, outputs=0)
+    """Every event is answered on its own, but a function's result still waiting for
+    its commit is found among the newest inputs."""
     edits_conversation = True
     """A function's result (a ``tool`` message) is echoed at the next commit."""
 
@@ -87,7 +90,14 @@ class EchoBackend:
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
     ) -> None:
-        return None
+        """A function's result applied after the last commit waits for the next one."""
+        for event in reversed(inputs):
+            if isinstance(event, InputEvent) and isinstance(event.payload, CommitPayload):
+                return
+            edit = session_payload_of(event) if not isinstance(event, OutputEvent) else None
+            if isinstance(edit, ConversationPayload) and edit.role == "tool":
+                ctx.state["result"] = edit.text
+                return
 
     def _answer(self, ctx: StageContext, event: StageEvent) -> tuple[OutputKind, Any] | None:
         if isinstance(event, OutputEvent):
