@@ -413,3 +413,17 @@ async def test_tools_named_by_one_response_create_are_for_that_response_only(set
         await client.close()
     assert "response.function_call_arguments.done" in with_tools
     assert not [kind for kind in without if "function_call" in kind]
+
+
+async def test_an_echo_takeover_finds_a_result_still_waiting_for_its_commit():
+    from schemas.events import InputMode, TextPayload
+
+    fence = Fence("s1")
+    result = ConversationPayload("add", "item_r", role="tool", text="noon", call_id="c")
+    text = InputEvent(fence, 1, 1, InputMode.APPEND_TEXT, TextPayload("call:x"))
+    edit = InputEvent(fence, 2, 2, InputMode.EDIT_CONVERSATION, result)
+    commit = InputEvent(fence, 3, 3, InputMode.TURN_COMMIT_ONLY, CommitPayload())
+    waiting, answered = StageContext("s1", "echo", fence, {}), StageContext("s1", "echo", fence, {})
+    await EchoBackend().start(waiting, [text, edit], [])
+    await EchoBackend().start(answered, [text, edit, commit], [])
+    assert waiting.state == {"result": "noon"} and answered.state == {}
