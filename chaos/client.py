@@ -162,7 +162,7 @@ class ChaosClient:
                     await self._cancel()  # it may have been lost with the socket
             if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
-            if self._call is not None and not cancel_sent and not self._result_acked:
+            if self._call is not None and not cancel_sent:
                 await self._send_result(self._call)
             if not cancel_sent and len(self.blocks) >= BLOCKS and cancel_after is None:
                 return True
@@ -277,11 +277,16 @@ class ChaosClient:
         if self._result_for == call_id and self._result_socket is self._socket:
             return  # sent on this socket: its acknowledgement will come
         assert self.outstanding is not None
+        again = self._result_for == call_id
         self._result_for, self._result_socket = call_id, self._socket
-        self._record("result_sent", attempt=self.outstanding, detail=call_id)
-        result = {"type": "function_call_output", "call_id": call_id,
-                  "output": self.outstanding.text()}  # fmt: skip
-        await self._send({"type": "conversation.item.create", "item": result})
+        if not (again and self._result_acked):
+            self._record("result_sent", attempt=self.outstanding, detail=call_id)
+            result = {"type": "function_call_output", "call_id": call_id,
+                      "output": self.outstanding.text()}  # fmt: skip
+            await self._send({"type": "conversation.item.create", "item": result})
+        # The answer is asked for again after a lost socket even when the result was
+        # taken: the request for it may have been lost with the socket (a second one
+        # is answered with nothing).
         await self._send({"type": "response.create"})
 
     async def _send_input(self, attempt: Attempt, tool: bool = False) -> None:

@@ -248,6 +248,9 @@ class Connection:
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
+        # Input sent on the old socket may wait for its commit: a response.create here
+        # asks for the response (it answers "nothing to answer" when there was none).
+        self.uncommitted = True
         # The token is good for one resume: the next one needs the token sent now.
         token = secrets.token_urlsafe(32)
         bus = self.coordinator.bus
