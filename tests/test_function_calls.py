@@ -31,6 +31,7 @@ from schemas.session_shape import merged, stage_settings
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.realtime_helpers import serving
 from tests.test_realtime_conformance import _out, _translate, _types, _validated
+from tests.voice_helpers import receive
 from workers.backends.base import OutputDraft, StageContext, StageEvent
 from workers.backends.echo import EchoBackend
 from workers.backends.vllm_tools import CallGate, ToolPlan, forced_calls, plain_history, plan_for
@@ -178,27 +179,20 @@ def settings(redis_server, key_prefix):
     return fast_settings(redis_server.url, key_prefix, api_keys=("k1",), first_event_wait_ms=50)
 
 
+async def _until(connection: Any, seen: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """Events (each validated with the SDK's types) up to the first of ``kind``."""
+    return (await receive(connection, seen, lambda e: e["type"] == kind, within_s=15))[-1]
+
+
 async def _session(base: str) -> tuple[AsyncOpenAI, Any]:
     client = AsyncOpenAI(api_key="k1", websocket_base_url=f"{base}/v1")
     return client, client.realtime.connect(model="duplexq")
 
 
 async def test_a_call_its_result_and_the_answer_through_the_sdk(settings):
-    from tests.test_realtime_conformance import SERVER_EVENT
-
     pipeline = PIPELINE
     thinker = _Caller()
     seen: list[dict[str, Any]] = []
-
-    async def until(connection: Any, kind: str) -> dict[str, Any]:
-        async with asyncio.timeout(15):
-            while True:
-                event = json.loads(await connection.recv_bytes())
-                if not event["type"].startswith("duplexq."):
-                    SERVER_EVENT.validate_python(event)
-                seen.append(event)
-                if event["type"] == kind:
-                    return event
 
     async with (
         serving(settings, pipeline) as base,
@@ -206,20 +200,20 @@ async def test_a_call_its_result_and_the_answer_through_the_sdk(settings):
     ):
         client, connecting = await _session(base)
         async with connecting as connection:
-            await until(connection, "session.created")
+            await _until(connection, seen, "session.created")
             await connection.session.update(session={"type": "realtime", "tools": [TIME_TOOL]})
-            await until(connection, "session.updated")
+            await _until(connection, seen, "session.updated")
             await connection.conversation.item.create(item={
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "what time is it"}]})  # fmt: skip
             await connection.response.create()
-            called = await until(connection, "response.function_call_arguments.done")
-            await until(connection, "response.done")
+            called = await _until(connection, seen, "response.function_call_arguments.done")
+            await _until(connection, seen, "response.done")
             await connection.conversation.item.create(item={
                 "type": "function_call_output", "call_id": called["call_id"],
                 "output": "12:00"})  # fmt: skip
             await connection.response.create()
-            answered = await until(connection, "response.done")
+            answered = await _until(connection, seen, "response.done")
         await client.close()
     assert (called["name"], json.loads(called["arguments"])) == (
         "get_time", {"q": "what time is it"})  # fmt: skip
@@ -232,42 +226,35 @@ async def test_a_result_for_an_interrupted_call_is_refused_once(settings):
     thinker = _Caller()
     seen: list[dict[str, Any]] = []
 
-    async def until(connection: Any, kind: str) -> dict[str, Any]:
-        async with asyncio.timeout(15):
-            while True:
-                seen.append(json.loads(await connection.recv_bytes()))
-                if seen[-1]["type"] == kind:
-                    return seen[-1]
-
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "thinker", backend=thinker),
     ):
         client, connecting = await _session(base)
         async with connecting as connection:
-            await until(connection, "session.created")
+            await _until(connection, seen, "session.created")
             await connection.session.update(session={"type": "realtime", "tools": [TIME_TOOL]})
             await connection.conversation.item.create(item={
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "book it"}]})  # fmt: skip
             await connection.response.create()
-            called = await until(connection, "response.function_call_arguments.done")
-            await until(connection, "response.done")
+            called = await _until(connection, seen, "response.function_call_arguments.done")
+            await _until(connection, seen, "response.done")
             # The user barges in before the client ran the function.
             await connection.send({"type": "duplexq.barge_in"})
-            await until(connection, "duplexq.response.cancelled")
+            await _until(connection, seen, "duplexq.response.cancelled")
             result = {"type": "function_call_output", "call_id": called["call_id"],
                       "output": "booked"}  # fmt: skip
             await connection.send({"type": "conversation.item.create", "event_id": "late",
                                    "item": result})  # fmt: skip
-            refused = await until(connection, "error")
+            refused = await _until(connection, seen, "error")
             await asyncio.sleep(0.3)
             assert thinker.results == []  # not given to the model under the new epoch
             # Sent again, on purpose: taken.
             await connection.conversation.item.create(item=result)
-            await until(connection, "conversation.item.created")
+            await _until(connection, seen, "conversation.item.created")
             await connection.response.create()
-            answered = await until(connection, "response.done")
+            answered = await _until(connection, seen, "response.done")
         await client.close()
     assert refused["error"]["code"] == "function_call_stale"
     assert refused["error"]["event_id"] == "late"
