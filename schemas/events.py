@@ -309,7 +309,12 @@ def encode_session_payload(payload: SessionPayload) -> bytes:
 
 
 def passed_down_kind(payload: SessionPayload) -> OutputKind:
-    return OutputKind.SETTINGS if isinstance(payload, SettingsPayload) else OutputKind.CONVERSATION
+    mode = (
+        InputMode.UPDATE_SESSION
+        if isinstance(payload, SettingsPayload)
+        else InputMode.EDIT_CONVERSATION
+    )
+    return _PASSED_DOWN[mode]
 
 
 def carries_settings(event: InputEvent | OutputEvent) -> bool:
@@ -324,7 +329,7 @@ def is_session_event(event: InputEvent | OutputEvent) -> bool:
     or as a stage passes it on."""
     if isinstance(event, InputEvent):
         return event.mode in _PASSED_DOWN
-    return event.kind in (OutputKind.SETTINGS, OutputKind.CONVERSATION)
+    return event.kind in _PASSED_DOWN.values()
 
 
 def session_payload_of(event: InputEvent | OutputEvent) -> SessionPayload | None:
