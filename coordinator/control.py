@@ -65,7 +65,7 @@ from coordinator.control_core import (
     session_of_key,
     stream_consumers,
 )
-from coordinator.replay import LogProgress, replay_session
+from coordinator.replay import LogProgress, replay_greedily, replay_session
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
@@ -302,21 +302,25 @@ async def replay(
     pace: str = "fast",
     speed: float = 1.0,
     pipeline: dict[str, Any] | None = None,
+    greedy: bool = False,
+    again: str | None = None,
 ) -> dict[str, Any]:
-    """Replay ``source`` into ``target`` (optionally under another pipeline); the
-    report is the job's result."""
+    """Replay ``source`` into ``target`` (optionally under another pipeline, and
+    greedily: ``coordinator.replay.replay_greedily``); the report is the job's result."""
     state = _state(ctx)
     target_pipeline = PipelineConfig.model_validate(pipeline) if pipeline else state.pipeline
-    report = await replay_session(
-        state.bus,
-        target_pipeline,
-        source,
-        target,
-        pace="recorded" if pace == "recorded" else "fast",
-        speed=speed,
-        progress=LogProgress(f"replay {source} -> {target}", log),
-        closed_ttl_s=state.settings.closed_ttl_s,
-    )
+    options: dict[str, Any] = {
+        "pace": "recorded" if pace == "recorded" else "fast",
+        "speed": speed,
+        "progress": LogProgress(f"replay {source} -> {target}", log),
+        "closed_ttl_s": state.settings.closed_ttl_s,
+    }
+    if greedy:
+        report = await replay_greedily(
+            state.bus, target_pipeline, source, target, again=again, **options
+        )
+    else:
+        report = await replay_session(state.bus, target_pipeline, source, target, **options)
     log.info("%s", report.summary())
     return report.to_dict()
 
@@ -466,9 +470,12 @@ async def enqueue_replay(
     pace: str = "fast",
     speed: float = 1.0,
     pipeline: PipelineConfig | None = None,
+    greedy: bool = False,
+    again: str | None = None,
 ) -> bool:
-    """Ask the control plane to replay ``source`` into ``target``; False if that
-    replay was already requested (queued, running or done within a day)."""
+    """Ask the control plane to replay ``source`` into ``target`` (``greedy``: see
+    ``coordinator.replay.replay_greedily``); False if that replay was already
+    requested (queued, running or done within a day)."""
     pool = await create_pool(
         RedisSettings.from_dsn(settings.queue_redis_url),
         job_serializer=job_serializer,
@@ -483,6 +490,8 @@ async def enqueue_replay(
             pace,
             speed,
             pipeline.model_dump(mode="json") if pipeline else None,
+            greedy,
+            again,
             _job_id=replay_job_id(settings, source, target),
         )
     finally:

@@ -13,6 +13,17 @@ the target so its keys expire like any closed session's.
 Only inputs are replayed: a cancel or barge-in the source received is not in
 its input log, so a source that was interrupted may legitimately differ.
 
+Greedy replays. A model stage that samples (temperature above 0, no seed) answers
+differently each run, so its replay differs from the recording although nothing
+is wrong. ``greedy=True`` makes the target's model stages decode greedily: the
+target's settings say ``greedy`` from its first event on (a settings event goes
+first and every replayed one carries the flag; the stored configuration has it
+too, so a stage's new owner keeps it). A greedy replay of a sampled recording
+still differs from the recording, so ``replay_greedily`` judges determinism by
+replaying twice and comparing the two targets; the comparison with the recording
+is reported beside it. A recording that was itself greedy (a greedy replay's
+target) is compared directly, once.
+
 Outputs are compared as a client would have received them: a journal is
 judged like the output reader does (fence barriers, stale fences and
 duplicates dropped), and two outputs are equal when their stage, kind,
@@ -29,8 +40,10 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import IO, Any, Literal
+
+import msgspec
 
 from coordinator.output_reader import JournalFollower
 from dataplane.authority import SessionAuthority
@@ -47,10 +60,14 @@ from schemas.events import (
     InputMode,
     OutputEvent,
     OutputKind,
+    Payload,
+    SettingsPayload,
     decode_input,
 )
 from schemas.fence import Fence
 from schemas.keys import Keys
+from schemas.realtime import SessionConfig
+from schemas.session_shape import settings_from_json
 
 Pace = Literal["fast", "recorded"]
 ProgressFn = Callable[[int, int], None]
@@ -185,8 +202,12 @@ class ProgressPrinter:
         self.label = label
         self._tty = self.stream.isatty()
         self._reported = -1
+        self._done = 0
 
     def __call__(self, done: int, total: int) -> None:
+        if done < self._done:  # the next replay (a greedy replay runs two)
+            self._reported = -1
+        self._done = done
         if self._tty:
             end = "\n" if done >= total else ""
             self.stream.write(f"\r{self.label} {progress_bar(done, total)}{end}")
@@ -207,8 +228,12 @@ class LogProgress:
         self.logger = logger
         self.step = step
         self._reported = -1
+        self._done = 0
 
     def __call__(self, done: int, total: int) -> None:
+        if done < self._done:  # the next replay (a greedy replay runs two)
+            self._reported = -1
+        self._done = done
         bucket = (100 * done // total if total else 100) // self.step
         if bucket > self._reported:
             self._reported = bucket
@@ -236,27 +261,62 @@ class ReplayReport:
     complete: bool
     """Whether the target produced as many outputs as the source before the wait ended."""
     comparison: Comparison
+    """The target's outputs against the reference's (the source's, unless ``reference``)."""
     elapsed_s: float
+    greedy: bool = False
+    """The target's model stages decoded greedily (``SettingsPayload.greedy``)."""
+    source_greedy: bool = False
+    """The source's settings were greedy: it is itself a greedy replay's target."""
+    reference: str = ""
+    """The session the target was compared with when not the source (a second greedy
+    replay is compared with the first)."""
+    again: ReplayReport | None = None
+    """A greedy replay of a sampled source: the second greedy replay, compared with this
+    one's target. It decides the verdict; ``comparison`` (with the sampled source)
+    is shown beside it."""
+
+    @property
+    def matches(self) -> bool:
+        """The target's outputs equal its reference's, all of them."""
+        return self.complete and self.comparison.identical
 
     @property
     def identical(self) -> bool:
-        return self.complete and self.comparison.identical
+        """The verdict: the target reproduced the source; for a greedy replay of a
+        sampled source, the second greedy replay reproduced the first."""
+        return self.matches if self.again is None else self.again.matches
 
     def summary(self) -> str:
-        c = self.comparison
         verdict = "identical" if self.identical else "DIFFERENT"
+        mode = f"{self.pace}{'' if self.pace == 'fast' else f' x{self.speed:g}'}"
+        if self.greedy:
+            mode += ", greedy"
+        if self.again is not None:
+            verdict = f"greedy replays {verdict}"
+        lines = [f"replay {self.source} -> {self.target} ({self.pipeline}, {mode}): {verdict}"]
+        lines += self._comparison_lines()
+        if self.again is not None:
+            lines.append(
+                f"  the source sampled, so the verdict compares two greedy replays; "
+                f"against the source this one is {'identical' if self.matches else 'different'}"
+            )
+            lines.append(f"  second greedy replay {self.again.target}, against {self.target}:")
+            lines += ["  " + line for line in self.again._comparison_lines()]
+        return "\n".join(lines)
+
+    def _comparison_lines(self) -> list[str]:
+        c = self.comparison
+        against = f" (against {self.reference})" if self.reference else ""
         lines = [
-            f"replay {self.source} -> {self.target} ({self.pipeline}, {self.pace}"
-            f"{'' if self.pace == 'fast' else f' x{self.speed:g}'}): {verdict}",
             f"  inputs {self.inputs} (skipped {self.skipped}, first seq {self.first_seq}), "
-            f"outputs {c.source_outputs} -> {c.target_outputs}, matched {c.matched}, "
+            f"outputs {c.source_outputs} -> {c.target_outputs}{against}, matched {c.matched}, "
             f"{self.elapsed_s:.2f}s{'' if self.complete else ', target incomplete'}",
         ]
         if c.first_mismatch is not None:
             m = c.first_mismatch
-            lines += [f"  first mismatch at {m.index}:", f"    source {m.source}",
-                      f"    target {m.target}"]  # fmt: skip
-        return "\n".join(lines)
+            lines += [f"  first mismatch at {m.index}:", f"    {self.reference or 'source'} "
+                      f"{m.source}", f"    target {m.target}"]  # fmt: skip
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for a job result or JSON)."""
@@ -276,6 +336,38 @@ async def _source_capabilities(bus: RedisBus, source: str) -> list[InputMode] | 
     raw = await bus.hmget(bus.keys.session(source).meta, ["caps"])
     caps = (raw[0] or b"").decode()
     return [InputMode(mode) for mode in caps.split()] or None
+
+
+async def recorded_greedily(bus: RedisBus, session_id: str) -> bool:
+    """Whether ``session_id``'s stored settings are greedy (a greedy replay's target)."""
+    raw = (await bus.hmget(bus.keys.session(session_id).meta, ["config"]))[0]
+    try:
+        return settings_from_json(raw).greedy
+    except ValueError:
+        return False
+
+
+def greedy_payload(payload: Payload) -> Payload:
+    """A replayed input's payload for a greedy target: settings keep ``greedy``."""
+    if isinstance(payload, SettingsPayload) and not payload.greedy:
+        return msgspec.structs.replace(payload, greedy=True)
+    return payload
+
+
+async def _open_target(
+    authority: SessionAuthority, bus: RedisBus, source: str, target: str, greedy: bool
+) -> None:
+    """Open the target like the source; a greedy one is greedy from its first event."""
+    caps = await _source_capabilities(bus, source)
+    if greedy and caps is not None and InputMode.UPDATE_SESSION not in caps:
+        caps.append(InputMode.UPDATE_SESSION)
+    await authority.open(target, caps)
+    if greedy:
+        # Stored for a stage's new owner (it starts from the stored settings), then
+        # sent in order to the stages that own the session already.
+        config = SessionConfig(greedy=True).model_dump_json()
+        await bus.hset(bus.keys.session(target).meta, {"config": config})
+        await authority.append(target, InputMode.UPDATE_SESSION, SettingsPayload(greedy=True))
 
 
 async def _wait_outputs(
@@ -318,9 +410,13 @@ async def replay_session(
     close_target: bool = True,
     closed_ttl_s: int = 3600,
     sleep: SleepFn = asyncio.sleep,
+    greedy: bool = False,
+    reference: str | None = None,
 ) -> ReplayReport:
     """Replay ``source``'s input log into the new session ``target`` under
-    ``pipeline`` and compare their outputs; see the module docstring."""
+    ``pipeline`` and compare the target's outputs with ``reference``'s (default: the
+    source's); ``greedy``: the target's model stages decode greedily. See the module
+    docstring."""
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     began = time.monotonic()
@@ -332,9 +428,10 @@ async def replay_session(
     if (await bus.hmget(bus.keys.session(target).meta, ["status"]))[0] is not None:
         # Opening a closed id would reopen it and wipe what it recorded.
         raise SessionExistsError(f"replay target {target!r} exists; replay needs a new session id")
-    recorded = await client_outputs(bus, source)
+    recorded = await client_outputs(bus, reference or source)
+    source_greedy = await recorded_greedily(bus, source)
     authority = SessionAuthority(bus, pipeline)
-    await authority.open(target, await _source_capabilities(bus, source))
+    await _open_target(authority, bus, source, target, greedy)
     done = skipped = first_seq = 0
     previous_ts: int | None = None
     async for page in _input_pages(bus, sk.input, end or "+"):
@@ -348,7 +445,8 @@ async def replay_session(
                 await sleep(delay)
             previous_ts = event.ts_ms
             first_seq = first_seq or event.seq
-            await authority.append(target, event.mode, event.payload)
+            payload = greedy_payload(event.payload) if greedy else event.payload
+            await authority.append(target, event.mode, payload)
             done += 1
             if progress is not None:
                 progress(done + skipped, total)
@@ -359,15 +457,48 @@ async def replay_session(
     return ReplayReport(
         source=source, target=target, pipeline=pipeline.name, pace=pace, speed=speed,
         inputs=done, skipped=skipped, first_seq=first_seq, complete=complete,
-        comparison=comparison, elapsed_s=time.monotonic() - began,
+        comparison=comparison, elapsed_s=time.monotonic() - began, greedy=greedy,
+        source_greedy=source_greedy, reference=reference or "",
     )  # fmt: skip
+
+
+def again_target(target: str) -> str:
+    """The default session id of a greedy replay's second target."""
+    return f"{target}.again"
+
+
+async def replay_greedily(
+    bus: RedisBus,
+    pipeline: PipelineConfig,
+    source: str,
+    target: str,
+    *,
+    again: str | None = None,
+    progress: ProgressFn | None = None,
+    **options: Any,
+) -> ReplayReport:
+    """A greedy replay of ``source`` into ``target``, judged as the module docstring
+    says: against the source when it was greedy itself, else by a second greedy
+    replay into ``again`` (default ``again_target(target)``) compared with the first.
+    ``options`` are ``replay_session``'s."""
+    first = await replay_session(
+        bus, pipeline, source, target, greedy=True, progress=progress, **options
+    )
+    if first.source_greedy:
+        return first
+    second = await replay_session(
+        bus, pipeline, source, again or again_target(target), greedy=True, reference=target,
+        progress=progress, **options,
+    )  # fmt: skip
+    return replace(first, again=second)
 
 
 # -- command line -------------------------------------------------------------------------
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``duplexq replay SOURCE TARGET [--pace fast|recorded] [--speed X] ...``."""
+    """Register ``duplexq replay SOURCE TARGET [--pace fast|recorded] [--speed X]
+    [--greedy [--again ID]] ...``."""
     from coordinator.control import add_common_options
 
     parser = subparsers.add_parser(
@@ -381,6 +512,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for outputs (s)")
     parser.add_argument("--keep-open", action="store_true", help="leave the target session open")
     parser.add_argument(
+        "--greedy", action="store_true",
+        help="model stages decode greedily (temperature 0); a sampled source is then "
+        "replayed twice and the two replays are compared",
+    )  # fmt: skip
+    parser.add_argument(
+        "--again", metavar="ID", help="second target of a --greedy replay (default TARGET.again)"
+    )
+    parser.add_argument(
         "--enqueue", action="store_true", help="hand it to the control plane instead (arq job)"
     )
     parser.set_defaults(func=replay_command)
@@ -391,7 +530,7 @@ def sampled_stages(pipeline: PipelineConfig) -> list[str]:
     with no fixed seed. Their replays differ even when nothing else does."""
     found = []
     for stage in pipeline.stages:
-        if stage.backend not in ("vllm", "minicpmo"):
+        if stage.backend not in ("vllm", "minicpmo", "mage_vl"):
             continue
         temperature = float(stage.options.get("temperature", 0.7))
         if temperature > 0 and stage.options.get("seed") is None:
@@ -406,9 +545,23 @@ def sampling_hint(pipeline: PipelineConfig) -> str | None:
         return None
     return (
         f"  note: {', '.join(sampled)} samples its answers, so they differ from run to run; "
-        "for comparable replays serve the pipeline greedily (temperature = 0) or with a "
-        "fixed seed (see docs/models.md)"
+        "replay with --greedy to check that the pipeline reproduces itself, or serve it "
+        "greedily (temperature = 0) or with a fixed seed (see docs/models.md)"
     )
+
+
+GREEDY_HINT = (
+    "  note: two greedy replays differ: a stage answers differently to the same inputs "
+    "even greedily (a backend that does not decode greedily, a seedless random choice, "
+    "or numerics that vary with the batch)"
+)
+
+
+def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
+    """What to say under a DIFFERENT verdict."""
+    if report.identical:
+        return None
+    return GREEDY_HINT if report.greedy else sampling_hint(pipeline)
 
 
 def replay_command(args: argparse.Namespace) -> int:
@@ -416,6 +569,10 @@ def replay_command(args: argparse.Namespace) -> int:
     they differ, 2 when the replay could not run."""
     from dataplane.config import ensure_redis, load_pipeline_for, load_settings
 
+    if args.again and not args.greedy:
+        print("duplexq replay: error: --again names the second target of a --greedy replay",
+              file=sys.stderr)  # fmt: skip
+        return 2
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_for(settings, args.pipeline)
     asyncio.run(ensure_redis(settings.redis_url))
@@ -425,7 +582,8 @@ def replay_command(args: argparse.Namespace) -> int:
         queued = asyncio.run(
             enqueue_replay(
                 settings, args.source, args.target, pace=args.pace, speed=args.speed,
-                pipeline=pipeline if args.pipeline else None,
+                pipeline=pipeline if args.pipeline else None, greedy=args.greedy,
+                again=args.again,
             )
         )  # fmt: skip
         print("replay queued" if queued else "replay already requested")
@@ -433,12 +591,17 @@ def replay_command(args: argparse.Namespace) -> int:
 
     async def run() -> ReplayReport:
         bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        options: dict[str, Any] = dict(
+            pace=args.pace, speed=args.speed, progress=ProgressPrinter(),
+            wait_timeout_s=args.timeout, close_target=not args.keep_open,
+            closed_ttl_s=settings.closed_ttl_s,
+        )  # fmt: skip
         try:
-            return await replay_session(
-                bus, pipeline, args.source, args.target, pace=args.pace, speed=args.speed,
-                progress=ProgressPrinter(), wait_timeout_s=args.timeout,
-                close_target=not args.keep_open, closed_ttl_s=settings.closed_ttl_s,
-            )  # fmt: skip
+            if args.greedy:
+                return await replay_greedily(
+                    bus, pipeline, args.source, args.target, again=args.again, **options
+                )
+            return await replay_session(bus, pipeline, args.source, args.target, **options)
         finally:
             await bus.aclose()
 
@@ -448,6 +611,6 @@ def replay_command(args: argparse.Namespace) -> int:
         print(f"replay failed: {exc.message}", file=sys.stderr)
         return 2
     print(report.summary())
-    if not report.identical and (hint := sampling_hint(pipeline)) is not None:
+    if (hint := replay_hint(report, pipeline)) is not None:
         print(hint)
     return 0 if report.identical else 1

@@ -126,6 +126,9 @@ class SettingsPayload(msgspec.Struct, frozen=True, tag="settings"):
     them (empty: none)."""
     tool_choice: str = "auto"
     """``auto``, ``none``, ``required`` or ``function:<name>``."""
+    greedy: bool = False
+    """Model stages decode greedily (temperature 0) whatever their sampling options say,
+    so the same inputs give the same answers: set by a greedy replay, never by a client."""
 
 
 class ConversationPayload(msgspec.Struct, frozen=True, tag="conversation"):

@@ -78,6 +78,10 @@ class SessionConfig(BaseModel):
     turn_detection: TurnDetection | None = TurnDetection()
     tools: tuple[FunctionTool, ...] = Field((), max_length=64)
     tool_choice: ToolChoice = "auto"
+    greedy: bool = False
+    """duplexq's own: model stages decode greedily (``SettingsPayload.greedy``). Only a
+    greedy replay sets it (it is stored for the stages' new owners); a client's
+    ``session.update`` cannot (``schemas.session_shape`` takes only the API's fields)."""
 
 
 class SessionUpdate(_Event):

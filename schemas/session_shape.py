@@ -109,6 +109,7 @@ def stage_settings(config: SessionConfig) -> SettingsPayload:
         interrupt_response=detection.interrupt_response if detection else False,
         tools=tools_text(config.tools),
         tool_choice=choice_text(config.tool_choice),
+        greedy=config.greedy,
     )
 
 

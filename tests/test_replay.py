@@ -17,13 +17,19 @@ from coordinator.control import (
 )
 from coordinator.output_reader import JournalFollower
 from coordinator.replay import (
+    GREEDY_HINT,
+    Comparison,
+    Mismatch,
     ProgressPrinter,
+    ReplayReport,
     add_commands,
     compare_outputs,
     compare_sessions,
     pace_delay,
     pipeline_outputs,
     progress_bar,
+    replay_greedily,
+    replay_hint,
     replay_session,
 )
 from coordinator.service import Coordinator
@@ -37,7 +43,9 @@ from schemas.events import (
     InputMode,
     OutputEvent,
     OutputKind,
+    SettingsPayload,
     TextPayload,
+    decode_input,
     encode_event,
 )
 from schemas.fence import Fence
@@ -153,6 +161,51 @@ def test_replay_command_is_registered():
     assert callable(args.func) and not args.enqueue
     with pytest.raises(SystemExit):
         parser.parse_args(["replay", "a", "b", "--pace", "slow"])
+    assert not args.greedy and args.again is None
+    greedy = parser.parse_args(["replay", "a", "b", "--greedy", "--again", "c"])
+    assert greedy.greedy and greedy.again == "c"
+
+
+def test_again_names_the_second_target_of_a_greedy_replay_only(capsys):
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", "a", "b", "--again", "c"])
+    assert args.func(args) == 2
+    assert "--again names the second target of a --greedy replay" in capsys.readouterr().err
+
+
+def _report(source_out, target_out, *, matched, target="t", **fields):
+    mismatch = None if matched == max(source_out, target_out) else Mismatch(matched, "x", "y")
+    comparison = Comparison(source_out, target_out, matched, mismatch)
+    return ReplayReport(source="s", target=target, pipeline="chat", pace="fast", speed=1.0,
+                        inputs=4, skipped=0, first_seq=1, complete=True,
+                        comparison=comparison, elapsed_s=0.5, **fields)  # fmt: skip
+
+
+def test_a_greedy_replay_of_a_sampled_source_is_judged_by_its_second_replay():
+    again = _report(3, 3, matched=3, target="t.again", greedy=True, reference="t")
+    report = _report(3, 3, matched=1, greedy=True, again=again)
+    assert report.identical and not report.matches  # the sampled source differs: expected
+    text = report.summary()
+    assert text.splitlines()[0] == "replay s -> t (chat, fast, greedy): greedy replays identical"
+    assert "the source sampled, so the verdict compares two greedy replays" in text
+    assert "against the source this one is different" in text
+    assert "second greedy replay t.again, against t:" in text
+    assert "outputs 3 -> 3 (against t), matched 3" in text
+    assert report.to_dict()["again"]["target"] == "t.again"
+    assert replay_hint(report, ECHO) is None
+
+    differs = _report(3, 3, matched=1, greedy=True, again=_report(3, 3, matched=2, greedy=True,
+                      reference="t", target="t.again"))  # fmt: skip
+    assert not differs.identical
+    assert "greedy replays DIFFERENT" in differs.summary()
+    assert "first mismatch at 2:" in differs.summary() and "      t x" in differs.summary()
+    assert replay_hint(differs, ECHO) == GREEDY_HINT
+
+    # A greedy source (a greedy replay's target) is compared directly, once.
+    direct = _report(3, 3, matched=3, greedy=True, source_greedy=True)
+    assert direct.identical and "greedy): identical" in direct.summary()
+    assert "second greedy replay" not in direct.summary()
 
 
 # -- on Redis, with echo workers ---------------------------------------------------------------
@@ -281,8 +334,70 @@ def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
     assert sampled_stages(shipped) == ["thinker (temperature 0.7, no seed)"]
     hint = sampling_hint(shipped)
     assert hint is not None and "temperature = 0" in hint and "fixed seed" in hint
+    assert "replay with --greedy to check that the pipeline reproduces itself" in hint
+    sampled = _report(3, 3, matched=1)
+    assert replay_hint(sampled, shipped) == hint  # a plain replay that differs
+    assert replay_hint(_report(3, 3, matched=3), shipped) is None
     greedy = [
         s.model_copy(update={"options": {**s.options, "temperature": 0.0}}) for s in shipped.stages
     ]
     assert sampling_hint(shipped.model_copy(update={"stages": tuple(greedy)})) is None
     assert sampling_hint(load_pipeline(ROOT / "configs" / "echo.toml")) is None
+
+
+async def _log(bus, session_id):
+    return [decode_input(e.fields[b"e"]) for e in await bus.xrange(
+        bus.keys.session(session_id).input, "-", "+")]  # fmt: skip
+
+
+async def test_a_greedy_replay_runs_twice_and_says_greedy_from_the_first_event(
+    settings, coordinator
+):
+    bus = coordinator.bus
+    async with running_worker(settings, ECHO, "echo"):
+        await coordinator.open("src")
+        await coordinator.append("src", InputMode.UPDATE_SESSION, SettingsPayload(voice="marin"))
+        await coordinator.append("src", InputMode.APPEND_TEXT, TextPayload("hello"))
+        await coordinator.commit("src")
+        await collect(coordinator, 2)
+        report = await replay_greedily(bus, ECHO, "src", "g1")
+        assert report.identical and report.matches, report.summary()
+        assert report.greedy and not report.source_greedy
+        again = report.again
+        assert again is not None and again.target == "g1.again" and again.reference == "g1"
+        assert again.matches and again.comparison.matched == 2
+        # The targets' stages are greedy from their first event on, and a new owner too.
+        for target in ("g1", "g1.again"):
+            log = await _log(bus, target)
+            assert log[0].payload == SettingsPayload(greedy=True)
+            assert log[1].payload == SettingsPayload(voice="marin", greedy=True)
+            assert [e.mode for e in log[2:]] == [InputMode.APPEND_TEXT, InputMode.TURN_COMMIT_ONLY]
+        meta = await bus.hgetall(bus.keys.session("g1").meta)
+        assert '"greedy":true' in meta["config"]
+        # A greedy replay's target replays greedily against itself, once.
+        direct = await replay_greedily(bus, ECHO, "g1", "g2")
+        assert direct.source_greedy and direct.again is None and direct.identical
+        assert await bus.xlen(bus.keys.session("g2.again").input) == 0
+    # A plain replay keeps the recorded settings as they were.
+    assert (await _log(bus, "src"))[0].payload == SettingsPayload(voice="marin")
+
+
+async def test_the_control_plane_replays_greedily_on_request(settings, coordinator):
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+        assert await enqueue_replay(settings, "src", "gjob", greedy=True, again="gjob-2")
+        worker = await run_control(settings, ECHO, burst=True, handle_signals=False)
+    assert worker.jobs_failed == 0
+    pool = await create_pool(
+        RedisSettings.from_dsn(settings.redis_url), job_deserializer=job_deserializer
+    )
+    try:
+        job = Job(replay_job_id(settings, "src", "gjob"), pool,
+                  _queue_name=queue_name(settings), _deserializer=job_deserializer)  # fmt: skip
+        info = await job.result_info()
+    finally:
+        await pool.aclose()
+    assert info is not None and info.success
+    assert info.result["identical"] is True and info.result["greedy"] is True
+    assert info.result["again"]["target"] == "gjob-2"
+    assert info.result["again"]["comparison"]["matched"] == 6

@@ -57,6 +57,16 @@ def test_a_ga_update_becomes_the_settings_stages_act_on():
     assert stage_settings(SessionConfig()) == SettingsPayload()
 
 
+def test_greedy_is_a_replays_setting_that_no_client_update_sets_or_clears():
+    for update in ({"greedy": True}, {"type": "realtime", "greedy": True}):
+        assert not stage_settings(merged(SessionConfig(), update)).greedy
+    replayed = SessionConfig(greedy=True)  # what a greedy replay stores for the target
+    assert stage_settings(replayed) == SettingsPayload(greedy=True)
+    # A client attached to a greedy target keeps it greedy while changing the rest.
+    updated = merged(replayed, {"instructions": "Be brief.", "greedy": False})
+    assert stage_settings(updated) == SettingsPayload(instructions="Be brief.", greedy=True)
+
+
 def _entry(n: int, event: InputEvent | OutputEvent) -> Entry:
     return Entry("in", f"{n}-0", {b"e": encode_event(event)})
 

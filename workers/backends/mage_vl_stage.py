@@ -74,6 +74,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dataplane.readiness import StageModel
 from dataplane.request_ids import belongs_to_session, make_request_id
 from schemas.events import OutputEvent, OutputKind, VideoPayload
 from schemas.fence import Fence
@@ -101,7 +102,7 @@ from workers.backends.mage_vl_core import (
 from workers.backends.mage_vl_media import image_data, with_placeholders
 from workers.backends.minicpmo_engine import DuplexStep, MiniCPMOEngine
 from workers.backends.request_log import RequestLog
-from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine
+from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine, sampling_spec
 from workers.backends.vllm_history import ChatMessages, released_by
 
 log = logging.getLogger("duplexq.worker.mage_vl")
@@ -195,6 +196,11 @@ class MageVLStage:
         """Fences released lately (newest last)."""
 
     # -- session lifecycle -----------------------------------------------------------
+
+    async def load(self) -> StageModel:
+        """Start the engine: the worker takes no session before it is up."""
+        await self.engine.ready()
+        return StageModel(self.engine_options.model, fallback=self.engine.fallback)
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -460,12 +466,7 @@ class MageVLStage:
         )
         if purpose != "gate":
             session.speaking = Speaking(request_id, "query" if purpose == "answer" else "gate")
-        spec = SamplingSpec(
-            max_tokens,
-            self.engine_options.temperature,
-            self.engine_options.top_p,
-            self.engine_options.seed,
-        )
+        spec = sampling_spec(self.engine_options, session.ctx.session, max_tokens)
         session.live.add(request_id)
         finish: str | None = None
         try:

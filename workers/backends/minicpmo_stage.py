@@ -9,7 +9,8 @@ extension's ``plan_append``: its placeholder tokens (the budget of
 first append) join the prompt. Then the model decides for the unit: one
 short request over the whole prompt with the stage-0 sampling parameters
 (``configure_sampling_params`` over this stage's defaults and the duplex
-options), streamed step by step. Each step is shown to ``decide_output`` as
+options; with temperature 0 for a session whose settings say ``greedy``),
+streamed step by step. Each step is shown to ``decide_output`` as
 an output view: the step's own token ids, text, stop and finish reasons,
 and ``special_token_ids`` naming the listen token. A listen decision is
 published as a ``listen`` draft and ends the unit; speech is a ``speak``
@@ -64,9 +65,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane.readiness import StageModel
 from dataplane.request_ids import make_request_id
 from schemas.errors import InvalidInputError
-from schemas.events import InputEvent, OutputEvent, OutputKind
+from schemas.events import InputEvent, OutputEvent, OutputKind, SettingsPayload
 from schemas.fence import Fence
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.minicpmo_engine import (
@@ -94,7 +96,12 @@ from workers.backends.minicpmo_session import (
 )
 from workers.backends.request_log import RequestLog
 from workers.backends.vllm_history import released_by
-from workers.extensions.base import AppendPlan, CheckedExtension, load_extension
+from workers.extensions.base import (
+    AppendPlan,
+    CheckedExtension,
+    copy_sampling_params,
+    load_extension,
+)
 from workers.extensions.minicpmo import LISTEN_TOKEN, MiniCPMOTokenIds
 
 log = logging.getLogger("duplexq.worker.minicpmo")
@@ -123,6 +130,15 @@ class Duplex:
     image_marker: tuple[int, ...] = ()
     audio_marker: tuple[int, ...] = ()
     """The token ids of the options' markers (with ``send_media``)."""
+    greedy_params: Any = None
+    """``params`` decoding greedily (temperature 0), for a session whose settings say
+    ``greedy`` (a greedy replay); None: ``params`` are used."""
+
+    def params_for(self, settings: SettingsPayload) -> Any:
+        """The stage-0 sampling parameters of a session with ``settings``."""
+        if settings.greedy and self.greedy_params is not None:
+            return self.greedy_params
+        return self.params
 
     def engine_prompt(self, prompt: DuplexPrompt) -> tuple[int, ...]:
         """What the engine gets for ``prompt``: markers in place of placeholder runs."""
@@ -206,6 +222,11 @@ class MiniCPMOStage:
         """Fences released lately (newest last)."""
 
     # -- session lifecycle ---------------------------------------------------------------
+
+    async def load(self) -> StageModel:
+        """Start the engine: the worker takes no session before it is up."""
+        await self.engine.ready()
+        return StageModel(self.options.model, fallback=self.engine.fallback)
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -350,6 +371,7 @@ class MiniCPMOStage:
             (params,) = extension.configure_sampling_params(
                 [default], self.options.runtime_config()
             )
+            greedy = copy_sampling_params(params, {"temperature": 0.0, "top_p": 1.0})
         except (TypeError, ValueError) as exc:
             raise BackendError(f"bad duplex sampling options: {exc}") from exc
         markers = (self.options.image_marker, self.options.audio_marker)
@@ -363,6 +385,7 @@ class MiniCPMOStage:
             send_media,
             image_marker,
             audio_marker,
+            greedy,
         )
 
     @staticmethod
@@ -416,7 +439,9 @@ class MiniCPMOStage:
         try:
             data = self.multi_modal_data(session)
             sent = duplex.engine_prompt(session.prompt)
-            async for step in self.engine.stream(sent, duplex.params, request_id, data):
+            async for step in self.engine.stream(
+                sent, duplex.params_for(ctx.session), request_id, data
+            ):
                 if request_id not in session.live or step.finish_reason == "abort":
                     break  # released meanwhile: nothing more for this unit
                 emissions = turn.read(duplex.extension.decide_output(duplex.view(step)))

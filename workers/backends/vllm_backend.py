@@ -38,6 +38,10 @@ the stage's ``system_prompt``) and then as many of the newest exchanges as fit
 go first, whole, so the prompt starts with a user message. A user message
 too long to fit alone is answered with an error and dropped from the history.
 
+Sampling. Each response samples with the stage's ``temperature``, ``top_p`` and
+``seed``; a session whose settings say ``greedy`` (a greedy replay) gets temperature 0
+instead, so its answers depend on its history alone (``sampling_spec``).
+
 Options: see ``vllm_options.VllmOptions`` (model, dtype, max_model_len,
 gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, seed,
 max_tokens, temperature, top_p, system_prompt, history_max_messages,
@@ -54,13 +58,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane.readiness import StageModel
 from dataplane.request_ids import make_request_id
 from schemas.events import ConversationPayload, OutputEvent, OutputKind
 from schemas.fence import Fence
 from schemas.items import response_item
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
-from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine
+from workers.backends.vllm_engine import EngineStep, VllmEngine, sampling_spec
 from workers.backends.vllm_history import (
     ChatHistory,
     Contribution,
@@ -153,14 +158,20 @@ class VllmBackend:
 
     # -- session lifecycle -----------------------------------------------------------
 
+    async def load(self) -> StageModel:
+        """Start the engine: the worker takes no session before it is up."""
+        await self.engine.ready()
+        return StageModel(self.options.model, fallback=self.engine.fallback)
+
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
     ) -> None:
         history = ChatHistory(self.options.history_max_messages)
         rebuild(history, inputs, [o for o in outputs if o.stage == ctx.stage])
         ctx.state[STATE_KEY] = SessionChat(history)
-        # Not awaited: the engine may take long to start and the session's
-        # lease is only renewed once start returns.
+        # Started by ``load`` already in a worker; not awaited here (an engine given
+        # no ``load`` may take long to start, and the lease is only renewed once
+        # start returns).
         self.engine.start_soon()
 
     async def stop(self, ctx: StageContext) -> None:
@@ -250,10 +261,7 @@ class VllmBackend:
         item = response_item(ctx.fence)
         response = chat.live[request_id] = Response(request_id, seq, item, carried)
         record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
-        spec = SamplingSpec(
-            max_tokens, self.options.temperature, self.options.top_p, self.options.seed,
-            plan.schema(),
-        )  # fmt: skip
+        spec = sampling_spec(self.options, ctx.session, max_tokens, plan.schema())
         gate = CallGate() if plan.active else None
         finish: str | None = None
         try:

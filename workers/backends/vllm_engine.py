@@ -26,6 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
+from schemas.events import SettingsPayload
 from workers.backends.base import BackendError
 from workers.backends.model_source import resolve_model
 from workers.backends.vllm_history import ChatMessages
@@ -98,6 +99,18 @@ class SamplingSpec(NamedTuple):
     seed: int | None
     json_schema: dict[str, Any] | None = None
     """Constrain the output to JSON of this schema (a forced function call)."""
+
+
+def sampling_spec(
+    options: VllmOptions, settings: SettingsPayload, max_tokens: int,
+    json_schema: dict[str, Any] | None = None,
+) -> SamplingSpec:  # fmt: skip
+    """How one response samples: the stage's options, or greedily (temperature 0, the
+    whole distribution) when the session asks for it (``SettingsPayload.greedy``, a
+    greedy replay): then the same history gives the same answer."""
+    if settings.greedy:
+        return SamplingSpec(max_tokens, 0.0, 1.0, options.seed, json_schema)
+    return SamplingSpec(max_tokens, options.temperature, options.top_p, options.seed, json_schema)
 
 
 def _vllm(module: str) -> Any:
