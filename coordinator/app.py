@@ -1,5 +1,5 @@
-"""The coordinator's ASGI app: ``/v1/realtime``, client secrets, health, readiness and
-metrics.
+"""The coordinator's ASGI app: ``/v1/realtime``, client secrets, health, readiness
+(``/readyz``; ``/v1/stages`` for the demo page), metrics and the demo page.
 
 Served by uvicorn (``duplexq coordinator``). One ``Hub`` per process: the
 journal reader loop starts and stops with the app's lifespan.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from coordinator.auth import presented, split_subprotocols
 from coordinator.connection import Connection
 from coordinator.hub import Hub
 from dataplane.metrics import exposition
+from dataplane.readiness import StageReadiness, read_stage
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import AuthError
 
@@ -65,23 +65,46 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readyz(request: Request) -> Response:
+    async def readiness() -> tuple[bool, list[StageReadiness]]:
+        """Whether Redis answers, and each stage's live workers: a worker heartbeats
+        once its model is loaded (``dataplane.readiness``)."""
         bus = hub.coordinator.bus
-        workers: dict[str, int] = {}
         redis_ok = False
+        found: list[StageReadiness] = []
         # Whatever is down, the answer comes within READY_WITHIN_S: a probe must not
         # wait out the Redis client's connect retries.
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             async with asyncio.timeout(READY_WITHIN_S):
                 redis_ok = await bus.ping()
                 if redis_ok:
-                    fresh = time.time() * 1000 - 5 * settings.heartbeat_ms
+                    fresh_ms = 5 * settings.heartbeat_ms
                     for stage in pipeline.stage_names:
-                        key = bus.keys.workers(stage)
-                        workers[stage] = await bus.client.zcount(key, fresh, "+inf")
-        ready = redis_ok and all(workers.values()) and len(workers) == len(pipeline.stages)
-        body = {"ready": ready, "redis": redis_ok, "workers": workers}
+                        found.append(await read_stage(bus, stage, fresh_ms))
+        return redis_ok, found
+
+    def all_ready(redis_ok: bool, found: list[StageReadiness]) -> bool:
+        return redis_ok and len(found) == len(pipeline.stages) and all(s.ready for s in found)
+
+    async def readyz(request: Request) -> Response:
+        redis_ok, found = await readiness()
+        ready = all_ready(redis_ok, found)
+        body = {
+            "ready": ready,
+            "redis": redis_ok,
+            "workers": {s.stage: len(s.models) for s in found},
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def stages(request: Request) -> Response:
+        """For the demo page (always 200): which stages have their model loaded, and
+        what they serve, the random-weight fallback included."""
+        redis_ok, found = await readiness()
+        body = {
+            "ready": all_ready(redis_ok, found),
+            "redis": redis_ok,
+            "stages": [s.public() for s in found],
+        }
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     async def metrics(request: Request) -> Response:
         body, content_type = exposition()
@@ -96,6 +119,7 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
             Route("/v1/realtime/client_secrets", hub.secrets.handle_mint, methods=["POST"]),
             Route("/healthz", healthz),
             Route("/readyz", readyz),
+            Route("/v1/stages", stages),
             Route("/metrics", metrics),
             Route("/", demo_page),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

@@ -113,8 +113,13 @@ def _serve_up(
           f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
     print(f"demo page: {base}/ ({key_note}; the page asks for it)")
     print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
+    print(
+        "waiting for every stage to load its model (the demo page shows which are ready)",
+        flush=True,
+    )
+    asyncio.run(stack.wait_ready(pipeline.stage_names))
     if not args.no_demo:
-        print("demonstration: the first answer waits for the models to load", flush=True)
+        print("demonstration: a typed turn, a barge-in and a failover", flush=True)
         ok = asyncio.run(demonstrate(stack, pipeline))
         for notice in stack.fallback_notices():
             print(notice)

@@ -10,6 +10,7 @@ Ctrl-C (``--demo-only`` stops after the demonstration).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -18,13 +19,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coordinator.hub import terminal_stages
 from coordinator.service import Coordinator
+from dataplane.bus import RedisBus
+from dataplane.readiness import StageModel, read_stage
 from schemas.config import REDIS_PERSISTENCE, ConfigError, PipelineConfig, Settings
 from schemas.events import OutputEvent, OutputKind, TextPayload
+from schemas.keys import Keys
 
 
 def _free_port() -> int:
@@ -45,8 +49,8 @@ when its turn's share is spent is killed."""
 STOP_ORDER = (("coordinator",), ("worker",), ("control",), ("redis",))
 """Who stops first: the coordinator (it closes its clients' connections), then every
 worker at once (they hand their sessions back), then the control plane, Redis last."""
-FALLBACK_MARK = "TINY model"
-"""What a worker's log says when it serves the random-weight fallback model."""
+LOADING_NOTE_S = 15.0
+"""While models load, ``up`` says every this many seconds which stages it waits for."""
 
 
 class StartFailed(RuntimeError):
@@ -87,6 +91,10 @@ class LocalStack:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.metrics: dict[str, str] = {}
         """Every worker's ``/metrics`` address (``host:port``), by worker name."""
+        self.stage_workers: dict[str, list[str]] = {}
+        """The names of each stage's workers started here."""
+        self.loaded: dict[str, StageModel] = {}
+        """What each worker serves, by worker name, once ``wait_ready`` saw it loaded."""
 
     def start_redis(self) -> Settings:
         """Start a private redis-server; returns the settings pointing at it."""
@@ -125,6 +133,7 @@ class LocalStack:
         ]  # fmt: skip
         self._spawn(name, args)
         self.metrics[name] = f"{self.settings.host}:{port}"
+        self.stage_workers.setdefault(stage, []).append(name)
 
     def write_scrape_config(self, coordinator: str) -> Path:
         """A Prometheus configuration scraping the coordinator (``host:port``) and every
@@ -203,17 +212,49 @@ class LocalStack:
                     f"(log: {self.workdir / 'logs' / name}.log)"
                 )
 
-    def fallback_notices(self) -> list[str]:
-        """One line per worker that serves the random-weight fallback model."""
+    async def wait_ready(self, stages: Sequence[str], out: Callable[..., object] = print) -> None:
+        """Say ``stage X: ready`` as soon as every worker of X started here has loaded its
+        model (a worker heartbeats only then: ``dataplane.readiness``), and announce a
+        worker serving the random-weight fallback. Waits as long as loading takes,
+        saying every ``LOADING_NOTE_S`` what it still waits for; StartFailed as soon as
+        a child dies (a model that cannot load ends its worker)."""
+        bus = RedisBus(self.settings.redis_url, Keys(self.settings.key_prefix))
+        fresh_ms = 5 * self.settings.heartbeat_ms
+        waiting = [stage for stage in stages if self.stage_workers.get(stage)]
+        started = time.monotonic()
+        note_at = started + LOADING_NOTE_S
+        try:
+            while waiting:
+                self.check_alive()
+                for stage in list(waiting):
+                    live = (await read_stage(bus, stage, fresh_ms)).models
+                    names = self.stage_workers[stage]
+                    if all(name in live for name in names):
+                        waiting.remove(stage)
+                        self.loaded.update((name, live[name]) for name in names)
+                        out(_ready_line(stage, [live[name] for name in names]), flush=True)
+                        for notice in self.fallback_notices(names):
+                            out(notice, flush=True)
+                if waiting and time.monotonic() >= note_at:
+                    note_at += LOADING_NOTE_S
+                    elapsed = time.monotonic() - started
+                    out(f"still loading: {', '.join(waiting)} ({elapsed:.0f} s)", flush=True)
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.aclose()
+
+    def fallback_notices(self, names: Sequence[str] | None = None) -> list[str]:
+        """One line per worker (of ``names``, default all) that serves the random-weight
+        fallback model, as ``wait_ready`` saw them."""
         found = []
-        for name in self.procs:
-            path = self.workdir / "logs" / f"{name}.log"
-            if _kind(name) != "worker" or not path.exists():
-                continue
-            if FALLBACK_MARK in path.read_text(errors="replace"):
+        for name in self.loaded if names is None else names:
+            model = self.loaded.get(name)
+            if model is not None and model.fallback:
                 found.append(
                     f"WARNING: {name} serves a tiny RANDOM-WEIGHT model (answers are "
-                    f"gibberish): its configured model is not available; see {path}"
+                    f"gibberish): its model {model.model} is not available. Run "
+                    f"scripts/setup, or set the stage's model (docs/models.md); "
+                    f"log: {self.workdir / 'logs' / name}.log"
                 )
         return found
 
@@ -236,6 +277,16 @@ class LocalStack:
                     proc.kill()
                     proc.wait()
         self.procs.clear()
+
+
+def _ready_line(stage: str, models: Sequence[StageModel]) -> str:
+    """``stage X: ready`` with what its workers loaded and how long the slowest took."""
+    loaded = [m for m in models if m.model]
+    if not loaded:
+        return f"stage {stage}: ready"
+    names = ", ".join(sorted({m.model + (" (RANDOM-WEIGHT fallback)" if m.fallback else "")
+                              for m in loaded}))  # fmt: skip
+    return f"stage {stage}: ready ({names} loaded in {max(m.load_s for m in loaded):.1f} s)"
 
 
 def _kind(name: str) -> str:

@@ -30,7 +30,10 @@ dq:{p}:{sid}:prog           hash    per-stage progress: applied seq, read positi
                                     output seq, owner count
 dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
-dq:workers:{stage}          zset    worker id -> last heartbeat (ms)
+dq:workers:{stage}          zset    worker id -> last heartbeat (ms); a worker
+                                    joins once its model is loaded
+dq:models:{stage}           hash    worker id -> JSON: the model it serves, whether
+                                    it is the random-weight fallback, load time
 dq:bell[:{p}]:{consumer}    stream  session ids whose streams for ``consumer``
                                     changed (field ``s``; ``k``: ``d`` data,
                                     ``c`` control), capped at ``BELL_LENGTH``
@@ -142,7 +145,13 @@ class Keys:
         return f"{self.prefix}:leases:{stage}"
 
     def workers(self, stage: str) -> str:
+        """The stage's live workers (id -> last heartbeat, ms); a worker joins once its
+        model is loaded (``dataplane.readiness``)."""
         return f"{self.prefix}:workers:{stage}"
+
+    def stage_models(self, stage: str) -> str:
+        """What each worker of the stage serves: worker id -> ``StageModel`` JSON."""
+        return f"{self.prefix}:models:{stage}"
 
     def resume(self, token_digest: str) -> str:
         """Resume-token index: sha256 of a session's resume token -> session id."""

@@ -21,7 +21,10 @@ A taken session is marked at once, and every session is marked each
 ``sweep_ms``, so a lost ring only delays. Neither read is ever O(sessions
 owned) per round: a read touches the sessions that have news.
 
-Shutdown is a small state machine: RUNNING -> DRAINING -> STOPPED. A signal
+The loops start once the stage's model is loaded (``workers.loading``): the first
+heartbeat is what makes the worker count as ready (``dataplane.readiness``).
+
+Shutdown is a small state machine: (STARTING ->) RUNNING -> DRAINING -> STOPPED. A signal
 only requests it; the loops see DRAINING, stop taking work, and the worker
 hands each session back (lease released, session re-queued) instead of
 letting leases expire. Burst mode drains what is there and then stops the
@@ -47,6 +50,7 @@ from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
 from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
+from dataplane.readiness import StageModel, announce, withdraw
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
 from schemas.events import SettingsPayload, decode_control
@@ -55,6 +59,7 @@ from schemas.keys import ASSIGN_GROUP, Keys
 from schemas.session_shape import settings_from_json
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
+from workers.loading import load_until_stopped
 from workers.ownership import AcquireStatus, Lease, StageOwnership
 from workers.rebuild import load_takeover
 
@@ -118,6 +123,8 @@ class Worker:
         self._readers: dict[str, aioredis.Redis] = {}
         self._taking: dict[str, Lease] = {}
         """Leases of sessions being taken (history loading): renewed like the others."""
+        self.model: StageModel | None = None
+        """What the worker serves, once its model is loaded (``workers.loading``)."""
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -130,11 +137,19 @@ class Worker:
                 actor.stop()
 
     async def run(self) -> None:
-        """Serve until stopped (or, in burst mode, until nothing is left to do)."""
+        """Load the stage's model, then serve until stopped (or, in burst mode, until
+        nothing is left to do)."""
         await self.bus.ensure_group(self.keys.assign(self.stage), ASSIGN_GROUP)
-        self.state = WorkerState.RUNNING
-        log.info("worker %s serving stage %s", self.worker_id, self.stage)
         try:
+            model = await load_until_stopped(self.backend, self._stopping)
+            if model is None or self.state is not WorkerState.STARTING:
+                return  # stopped while loading
+            # Recorded before the first heartbeat: a live worker is a loaded one.
+            await announce(self.bus, self.stage, self.worker_id, model)
+            self.model = model
+            self.state = WorkerState.RUNNING
+            loaded = f" ({model.model}, loaded in {model.load_s:.1f} s)" if model.model else ""
+            log.info("worker %s serving stage %s%s", self.worker_id, self.stage, loaded)
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 group.create_task(self._loop(self._assignment_round, 0), name="assignment")
@@ -150,7 +165,7 @@ class Worker:
                 group.create_task(self._loop(self._data_round, 0), name="data")
         finally:
             await self._hand_back_all()
-            await self.bus.client.zrem(self.keys.workers(self.stage), self.worker_id)
+            await withdraw(self.bus, self.stage, self.worker_id)
             await self.backend.aclose()
             await self.bus.aclose()
             self.state = WorkerState.STOPPED

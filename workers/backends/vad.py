@@ -76,6 +76,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dataplane.readiness import StageModel
 from schemas.events import (
     AudioPayload,
     ClearPayload,
@@ -302,8 +303,14 @@ class VadBackend:
         window = int((self.options.max_segment_s + 1) * 100)
         self.rebuild = RebuildWindow(inputs=window, outputs=window)
 
+    async def load(self) -> StageModel:
+        """Load the Silero network (in a thread) before the worker takes sessions."""
+        self._model = await asyncio.to_thread(shared_model)
+        return StageModel("silero-vad")
+
     @property
     def model(self) -> SileroModel:
+        """The network (loaded here on first use when ``load`` was not called)."""
         if self._model is None:
             self._model = shared_model()
         return self._model
