@@ -29,7 +29,7 @@ import contextvars
 import time
 from typing import Any
 
-from redis.asyncio.cluster import NodesManager, RedisCluster
+from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -172,13 +172,40 @@ class ClusterClient(RedisCluster):
         await super().aclose()
 
 
+def seed_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """Split a ``redis+cluster://[user:pass@]HOST:PORT[,HOST:PORT...][/...]`` URL into
+    the plain URL of its first node and the (host, port) of the others.
+
+    Any node can tell the client the whole cluster, so one is enough while it is up;
+    naming several lets a process start (and learn the slot map again) while the first
+    one is down."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"not a URL: {url!r}")
+    scheme = scheme.replace("+cluster", "", 1)
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    first, *others = hosts.split(",")
+    seeds: list[tuple[str, int]] = []
+    for other in others:
+        host, colon, port = other.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"cluster node {other!r} in {url!r} is not HOST:PORT")
+        seeds.append((host, int(port)))
+    return f"{scheme}://{userinfo}{at}{first}{tail}", seeds
+
+
 def cluster_client(url: str, **options: Any) -> ClusterClient:
-    """A cluster client for a ``redis+cluster://`` URL (any node of the cluster)."""
+    """A cluster client for a ``redis+cluster://`` URL naming one node of the cluster or
+    several, comma-separated (``seed_nodes``)."""
     options.pop("single_connection_client", None)
     options.pop("health_check_interval", None)
     options.pop("retry_on_error", None)
     options["retry"] = connect_retry()
-    plain = url.replace("+cluster", "", 1)
+    plain, seeds = seed_nodes(url)
+    if seeds:
+        options["startup_nodes"] = [ClusterNode(host, port) for host, port in seeds]
     client = ClusterClient.from_url(
         plain, cluster_error_retry_attempts=1, connection_error_retry_attempts=1, **options
     )

@@ -57,7 +57,8 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL; ``rediss://`` for TLS, ``redis://user:password@host`` for ACL users,
-    ``redis+cluster://host:port`` (any node) for a Redis Cluster (``docs/scaling.md``)."""
+    ``redis+cluster://host:port[,host:port...]`` (one node or several) for a Redis Cluster
+    (``docs/scaling.md``)."""
     control_redis_url: str = ""
     """The Redis of the control plane's job queue (arq); empty: ``redis_url``. arq is not
     cluster-aware: with a ``redis+cluster://`` data plane, give one plain Redis here."""

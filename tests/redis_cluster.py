@@ -23,7 +23,8 @@ NODE_TIMEOUT_MS = 1000
 
 
 class RedisCluster:
-    """Six nodes; ``url`` is the duplexq URL (``redis+cluster://``) of the first."""
+    """Six nodes; ``url`` is the duplexq URL (``redis+cluster://``) naming the three
+    created as primaries, as a deployment names several seed nodes."""
 
     def __init__(self, workdir: Path) -> None:
         options = [
@@ -38,7 +39,8 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        seeds = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:3])
+        return f"redis+cluster://{seeds}"
 
     def start(self) -> None:
         for node in self.nodes:

@@ -16,11 +16,22 @@ import pytest
 import redis
 
 from coordinator.service import Coordinator
+from dataplane.cluster import seed_nodes
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import CLIENT, Keys
 from tests.pipeline_helpers import fast_settings, outputs_of, running_worker
 from tests.redis_cluster import RedisCluster
+
+
+def test_a_cluster_url_names_one_seed_node_or_several():
+    assert seed_nodes("redis+cluster://h:7000") == ("redis://h:7000", [])
+    assert seed_nodes("rediss+cluster://u:secret@a:1,b:2,c:3/0?x=1") == (
+        "rediss://u:secret@a:1/0?x=1",
+        [("b", 2), ("c", 3)],
+    )
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        seed_nodes("redis+cluster://a:1,b")
 
 
 def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
@@ -93,3 +104,37 @@ async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_pat
     finally:
         cluster.stop()
         gc.collect()  # the dropped node objects go now, under this test's filter
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_process_starts_while_the_first_node_it_names_is_dead(tmp_path):
+    """A ``redis+cluster://`` URL may name several nodes: a process started after the
+    first one died (its replica promoted) learns the cluster from the next one and
+    serves, where a URL naming only the dead node could not reach the cluster."""
+    cluster = RedisCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        first = cluster.nodes[0]
+        first.stop(signal.SIGKILL)
+        cluster.wait_ok()
+        assert cluster.url.split("://", 1)[1].split(",")[0] == f"127.0.0.1:{first.port}"
+        settings = fast_settings(cluster.url, "seeds")
+        pipeline = echo_pipeline("echo")
+        coordinator = Coordinator(settings, pipeline)
+        try:
+            async with running_worker(settings, pipeline, "echo"):
+                sessions = [f"s{i}" for i in range(6)]
+                for sid in sessions:
+                    await coordinator.open(sid)
+                    await coordinator.append(sid, "append_text", TextPayload(f"hi {sid}"))
+                got: set[str] = set()
+                async with asyncio.timeout(30):
+                    while len(got) < len(sessions):
+                        for out in outputs_of(await coordinator.outputs(block_ms=200)):
+                            got.add(out.fence.session_id)
+        finally:
+            await coordinator.aclose()
+        assert got == set(sessions)
+    finally:
+        cluster.stop()
+        gc.collect()
