@@ -9,7 +9,9 @@ the test watches ``window.duplexqDemo`` and clicks the page's own controls.
   camera frame comes back as text;
 - speech pipeline ``vad -> asr -> thinker (echo) -> tts``: a spoken turn is
   transcribed and answered with speech; Interrupt silences the answer at once;
-  then the user speaking over a long answer silences it (server VAD barge-in).
+  then the user speaking over a long answer silences it (server VAD barge-in);
+- the stages' models: a turn sent while a stage's model loads is shown as waiting
+  for it, and a stage serving the random-weight fallback gets a visible notice.
 
 Chromium missing is a failure, not a skip: scripts/setup installs it.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dataplane.readiness import StageModel
 from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import AudioPayload, InputEvent, PlaybackPayload
 from tests.browser_helpers import DemoPage, demo_page, write_speech_wav, write_tone_wav
@@ -341,6 +344,91 @@ async def test_the_page_offers_a_tool_runs_the_call_and_shows_it(settings, tmp_p
     answers = [line["text"] for line in panes["assistant"] if not line["call"]]
     assert answers == [call["result"]]
     assert state["errors"] == []
+
+
+# -- the stages' models: loading, and the random-weight fallback -----------------------
+
+
+class LoadingEcho(EchoBackend):
+    """A streaming echo with a "model" to load: ``load`` waits for ``gate`` and then
+    says it serves ``model`` (the fallback when ``fallback``)."""
+
+    def __init__(self, options: dict[str, Any], model: str, *, fallback: bool) -> None:
+        super().__init__(options)
+        self.served = StageModel(model, fallback=fallback)
+        self.gate = asyncio.Event()
+        self.loading = asyncio.Event()
+
+    async def load(self) -> StageModel:
+        self.loading.set()
+        await self.gate.wait()
+        return self.served
+
+
+async def _notice(demo: DemoPage, element: str) -> dict[str, Any]:
+    shown: dict[str, Any] = await demo.evaluate(
+        f"""() => {{ const e = document.getElementById("{element}");
+                    return {{hidden: e.hidden, text: e.textContent}}; }}"""
+    )
+    return shown
+
+
+async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(settings, tmp_path):
+    pipeline = streaming_echo()
+    backend = LoadingEcho(pipeline.stages[0].options, "echo-model", fallback=False)
+    wav = tmp_path / "tone.wav"
+    write_tone_wav(wav, hz=TONE_HZ)
+    async with serving(settings, pipeline) as base, demo_page(http(base), wav) as demo:
+        # No worker yet: the page names the stage as loading.
+        await demo.wait_for("s.loading && s.loading.includes('echo')")
+        models = await _notice(demo, "models")
+        assert not models["hidden"] and "echo" in models["text"]
+        await demo.page.check("#mute")
+        await demo.page.click("#connect")
+        await demo.wait_for("s.connected")
+        await demo.page.fill("#text", "are you there")
+        await demo.page.click("#send")
+        await demo.wait_for("s.status === 'loading the models (echo)…'")
+        async with running_worker(settings, pipeline, "echo", backend=backend):
+            # The worker is up but its model still loads: still loading, no answer.
+            await asyncio.wait_for(backend.loading.wait(), 10)
+            await asyncio.sleep(2.5)  # more than one of the page's polls
+            state = await demo.state()
+            assert state["status"] == "loading the models (echo)…", state["status"]
+            assert state["loading"] == ["echo"] and state["assistantText"] == ""
+            backend.gate.set()
+            done = await demo.wait_for(
+                "s.loading.length === 0 && s.assistantText.includes('are you there')"
+            )
+            models = await _notice(demo, "models")
+            fallback = await _notice(demo, "fallback")
+    assert models["hidden"]
+    assert not done["status"].startswith("loading"), done["status"]
+    assert done["fallback"] == [] and fallback["hidden"]
+    assert done["errors"] == []
+
+
+async def test_the_page_announces_a_stage_serving_the_random_weight_fallback(settings, tmp_path):
+    pipeline = streaming_echo()
+    backend = LoadingEcho(pipeline.stages[0].options, "package:smollm2", fallback=True)
+    backend.gate.set()
+    wav = tmp_path / "tone.wav"
+    write_tone_wav(wav, hz=TONE_HZ)
+    async with (
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "echo", backend=backend),
+        demo_page(http(base), wav) as demo,
+    ):
+        state = await demo.wait_for("s.loading && s.loading.length === 0")
+        notice = await _notice(demo, "fallback")
+        console = list(demo.console)
+    assert state["fallback"] == ["echo"]
+    assert not notice["hidden"]
+    text = notice["text"]
+    assert "gibberish" in text and "random-weight" in text, text
+    assert "echo (its model package:smollm2 is not available" in text, text
+    assert "scripts/setup" in text and "docs/models.md" in text, text
+    assert not [line for line in console if "error" in line.lower()], console
 
 
 def assert_cut_for_good(stop: dict[str, Any], at_stop: dict[str, Any], end: dict[str, Any]) -> None:

@@ -27,8 +27,15 @@
 // Each message shows once: the user's typed text when sent, their speech when
 // transcribed; an answer's text from its text deltas, or from its audio
 // transcript when it has no text. An answer cut by an interruption is marked
-// where it was cut. The first answer of a session waits for the models to load
-// (a stage loads its model when its first session arrives): the page says so.
+// where it was cut.
+//
+// Models: each stage worker loads its model when it starts and only then counts as
+// ready. The page reads GET /v1/stages when it opens (and every STAGES_POLL_MS while
+// some stage is not ready, and on connect): until every stage is ready it shows which
+// are loading, and a turn that ends meanwhile is shown as waiting for them ("loading
+// the models (…)…") rather than as thinking. A stage that serves the random-weight
+// fallback model (its own model missing) gets a notice: its answers are gibberish,
+// and the notice says how to fix it.
 //
 // Tools: with "Offer a tool" checked the session declares get_current_time; when
 // the model calls it the page runs it, shows the call and its result, and sends
@@ -51,6 +58,7 @@ const VOICE_WINDOW_MS = 5000; // an onset older than this did not cause a barge-
 const SILENT_RMS = 1e-4; // output level below which playback counts as silent
 const KEY_STORAGE = "duplexq.apiKey"; // sessionStorage: this tab only, gone when it closes
 const SECRET_TTL_S = 60; // the client secret only has to last until the socket opens
+const STAGES_POLL_MS = 2000; // how often the page asks /v1/stages while models load
 
 // -- the page ------------------------------------------------------------------------
 
@@ -91,6 +99,19 @@ function newState() {
     micSampleRate: null,
     micFramesSent: 0,
     videoFramesSent: 0,
+    ...readiness(null),
+  };
+}
+
+/** What the page knows of the stages' models, from a /v1/stages body (null: unknown). */
+function readiness(body) {
+  // With Redis unreachable the server cannot tell: unknown, asked again later.
+  if (!body || !body.redis) return { stages: null, loading: null, fallback: [] };
+  const stages = body.stages || [];
+  return {
+    stages,
+    loading: stages.filter((s) => !s.ready).map((s) => s.name),
+    fallback: stages.filter((s) => s.models.some((m) => m.fallback)).map((s) => s.name),
   };
 }
 
@@ -116,7 +137,10 @@ class Demo {
     this.openedAt = 0;
     this.timer = null;
     this.connecting = false;
+    this.models = readiness(null); // kept across connections (state is per connection)
+    this.stagesTimer = null;
     this.bind();
+    this.watchStages();
   }
 
   bind() {
@@ -144,6 +168,49 @@ class Demo {
     $("status").textContent = text;
   }
 
+  // -- the stages' models --------------------------------------------------------------
+
+  /** Read /v1/stages now, and again every STAGES_POLL_MS until every stage is ready. */
+  async watchStages() {
+    clearTimeout(this.stagesTimer);
+    let body = null;
+    try {
+      const response = await fetch("/v1/stages", { cache: "no-store" });
+      if (response.ok) body = await response.json();
+    } catch {
+      body = null; // unknown, not "ready": asked again below
+    }
+    this.showModels(readiness(body));
+    if (!body || !body.ready) this.stagesTimer = setTimeout(() => this.watchStages(), STAGES_POLL_MS);
+  }
+
+  showModels(models) {
+    const wasLoading = this.models.loading && this.models.loading.length > 0;
+    this.models = models;
+    Object.assign(this.state, models);
+    const loading = models.loading || [];
+    $("models").hidden = loading.length === 0;
+    $("models").textContent = `Loading the models of: ${loading.join(", ")}. A turn waits for them.`;
+    const notice = $("fallback");
+    notice.hidden = models.fallback.length === 0;
+    if (!notice.hidden) {
+      const lines = models.stages
+        .filter((s) => models.fallback.includes(s.name))
+        .map((s) => {
+          const wanted = s.models.filter((m) => m.fallback).map((m) => m.model).join(", ");
+          return `${s.name} (its model ${wanted} is not available on the server)`;
+        });
+      notice.textContent =
+        `Answers will be gibberish: ${lines.join("; ")} serves a tiny random-weight ` +
+        "fallback model. To fix it, run scripts/setup on the server (it prepares the " +
+        "default model) or set the stage's model to one the server has, then restart " +
+        "(docs/models.md).";
+    }
+    if (wasLoading && loading.length === 0 && this.state.status.startsWith("loading")) {
+      this.setStatus("thinking…");
+    }
+  }
+
   // -- connection ------------------------------------------------------------------
 
   async connect() {
@@ -161,6 +228,8 @@ class Demo {
     this.voiceOnsetAt = null;
     this.quietSince = null;
     for (const id of ["user-transcript", "assistant-text"]) $(id).replaceChildren();
+    Object.assign(this.state, this.models);
+    this.watchStages();
     this.setStatus("connecting…");
     $("connect").textContent = "Disconnect";
 
@@ -402,9 +471,15 @@ class Demo {
     this.awaitAnswer();
   }
 
-  /** After a turn ends: the first answer of a session waits for the models to load. */
+  /** After a turn ends: the answer waits for the models of the stages still loading. */
   awaitAnswer() {
-    this.setStatus(this.state.answered ? "thinking…" : "loading the models for the first answer…");
+    const loading = this.models.loading;
+    if (loading === null) {
+      // Readiness unknown (/v1/stages did not answer): the first answer may wait.
+      this.setStatus(this.state.answered ? "thinking…" : "loading the models for the first answer…");
+    } else {
+      this.setStatus(loading.length ? `loading the models (${loading.join(", ")})…` : "thinking…");
+    }
   }
 
   interrupt() {
