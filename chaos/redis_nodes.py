@@ -3,9 +3,9 @@
 Both persist as every Redis duplexq starts does (``REDIS_PERSISTENCE``). The
 cluster has 3 primaries with a replica each; its ``kill_redis`` fault is a
 SIGKILL of one primary, which comes back on its AOF after a pause (by then its
-replica may have been promoted, and it rejoins as that one's replica). The
-node the URL names is never the one killed: a deployment names a stable
-endpoint. In cluster mode the control plane's job queue has a plain Redis of
+replica may have been promoted, and it rejoins as that one's replica). Any
+primary may be killed, the first node the URL names too: the URL names three
+seed nodes, as a deployment should. In cluster mode the control plane's job queue has a plain Redis of
 its own (arq is not cluster-aware).
 """
 
@@ -77,8 +77,12 @@ class RedisNodes:
 
     @property
     def url(self) -> str:
-        scheme = "redis+cluster" if self.cluster else "redis"
-        return f"{scheme}://127.0.0.1:{self.ports[0]}/0"
+        if not self.cluster:
+            return f"redis://127.0.0.1:{self.ports[0]}/0"
+        # Several seeds: a process (re)started while a killed node is down still
+        # reaches the cluster.
+        seeds = ",".join(f"127.0.0.1:{port}" for port in self.ports[:3])
+        return f"redis+cluster://{seeds}/0"
 
     @property
     def queue_url(self) -> str:
@@ -121,12 +125,12 @@ class RedisNodes:
         return "role:slave" not in repl or "master_link_status:up" in repl
 
     def bounce(self, rng: random.Random, down_s: float) -> str:
-        """SIGKILL one Redis (on a cluster: a primary, not the URL's node) and start it
-        again after ``down_s``; returns which."""
+        """SIGKILL one Redis (on a cluster: a primary) and start it again after
+        ``down_s``; returns which."""
         index = 0
         if self.cluster:
-            primaries = [i for i in range(1, len(self.nodes)) if self._role(i) == "master"]
-            index = rng.choice(primaries or list(range(1, len(self.nodes))))
+            primaries = [i for i in range(len(self.nodes)) if self._role(i) == "master"]
+            index = rng.choice(primaries or list(range(len(self.nodes))))
         node = self.nodes[index]
         node.kill()
         time.sleep(down_s)
