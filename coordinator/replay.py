@@ -21,8 +21,10 @@ first and every replayed one carries the flag; the stored configuration has it
 too, so a stage's new owner keeps it). A greedy replay of a sampled recording
 still differs from the recording, so ``replay_greedily`` judges determinism by
 replaying twice and comparing the two targets; the comparison with the recording
-is reported beside it. A recording that was itself greedy (a greedy replay's
-target) is compared directly, once.
+is reported beside it. (The first of the two waits until its target stays quiet
+for ``quiet_s``: the recording's count of outputs says nothing of its own; the
+second waits for as many outputs as the first got.) A recording that was itself
+greedy (a greedy replay's target) is compared directly, once.
 
 Outputs are compared as a client would have received them: a journal is
 judged like the output reader does (fence barriers, stale fences and
@@ -259,7 +261,9 @@ class ReplayReport:
     first_seq: int
     """Seq of the first replayed input; above 1 when the source log was trimmed."""
     complete: bool
-    """Whether the target produced as many outputs as the source before the wait ended."""
+    """Whether the target produced as many outputs as its reference before the wait
+    ended (a greedy replay of a sampled source: whether it went quiet, ``quiet_s``,
+    before the timeout)."""
     comparison: Comparison
     """The target's outputs against the reference's (the source's, unless ``reference``)."""
     elapsed_s: float
@@ -371,16 +375,17 @@ async def _open_target(
 
 
 async def _wait_outputs(
-    bus: RedisBus, target: str, expected: int, timeout_s: float, quiet_s: float
+    bus: RedisBus, target: str, expected: int | None, timeout_s: float, quiet_s: float
 ) -> tuple[list[OutputEvent], bool]:
-    """Follow the target's journal until ``expected`` outputs, quiet or timeout."""
+    """Follow the target's journal until ``expected`` outputs, quiet or timeout; whether
+    it got them. ``expected=None``: until quiet or timeout; whether it got quiet."""
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
-    while len(outputs) < expected:
+    while expected is None or len(outputs) < expected:
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
@@ -390,8 +395,10 @@ async def _wait_outputs(
                 last_growth = time.monotonic()
             continue
         now = time.monotonic()
-        if now >= deadline or (outputs and now - last_growth >= quiet_s):
+        if now >= deadline:
             return outputs, False
+        if outputs and now - last_growth >= quiet_s:
+            return outputs, expected is None
         await asyncio.sleep(POLL_S)
     return outputs, True
 
@@ -450,7 +457,11 @@ async def replay_session(
             done += 1
             if progress is not None:
                 progress(done + skipped, total)
-    outputs, complete = await _wait_outputs(bus, target, len(recorded), wait_timeout_s, quiet_s)
+    # A greedy replay of a sampled source answers otherwise: the source's count of
+    # outputs says nothing of the target's, so the target runs until it is quiet.
+    waits_quiet = greedy and reference is None and not source_greedy and bool(recorded)
+    expected = None if waits_quiet else len(recorded)
+    outputs, complete = await _wait_outputs(bus, target, expected, wait_timeout_s, quiet_s)
     comparison = compare_outputs(recorded, outputs)
     if close_target:
         await authority.close(target, reason="replay done", ttl_s=closed_ttl_s)

@@ -360,7 +360,7 @@ async def test_a_greedy_replay_runs_twice_and_says_greedy_from_the_first_event(
         await coordinator.append("src", InputMode.APPEND_TEXT, TextPayload("hello"))
         await coordinator.commit("src")
         await collect(coordinator, 2)
-        report = await replay_greedily(bus, ECHO, "src", "g1")
+        report = await replay_greedily(bus, ECHO, "src", "g1", quiet_s=0.5)
         assert report.identical and report.matches, report.summary()
         assert report.greedy and not report.source_greedy
         again = report.again
@@ -375,7 +375,7 @@ async def test_a_greedy_replay_runs_twice_and_says_greedy_from_the_first_event(
         meta = await bus.hgetall(bus.keys.session("g1").meta)
         assert '"greedy":true' in meta["config"]
         # A greedy replay's target replays greedily against itself, once.
-        direct = await replay_greedily(bus, ECHO, "g1", "g2")
+        direct = await replay_greedily(bus, ECHO, "g1", "g2", quiet_s=0.5)
         assert direct.source_greedy and direct.again is None and direct.identical
         assert await bus.xlen(bus.keys.session("g2.again").input) == 0
     # A plain replay keeps the recorded settings as they were.
