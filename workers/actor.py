@@ -165,6 +165,10 @@ class SessionActor:
         self.backlog: deque[tuple[int, int]] = deque()
         """(ms of a queued batch's first entry, its size), oldest first: lag and pending."""
         self.coalesce = DEFAULT_POLICY if settings is None else CoalescePolicy.of(settings)
+        # The per-event counters, looked up once (a label lookup costs a lock and a dict).
+        self._events_in = EVENTS_IN.labels(stage=ctx.stage)
+        self._events_out = EVENTS_OUT.labels(stage=ctx.stage)
+        self._publishes = PUBLISHES.labels(stage=ctx.stage)
 
     def enqueue(self, batch: list[Entry]) -> None:
         """Queue a batch read from the stage's input (called by the data reader)."""
@@ -240,7 +244,7 @@ class SessionActor:
             self.view.observe(event.fence)
             self._advance(entry.id, None)
             return
-        EVENTS_IN.labels(stage=self.ctx.stage).inc()
+        self._events_in.inc()
         if step is Step.SKIP:
             return
         if is_session_event(event):
@@ -367,7 +371,9 @@ class SessionActor:
 
     async def _reap(self, producer: asyncio.Task[None], event: StageEvent) -> None:
         # wait() neither raises the producer's error nor hides our own cancellation.
-        await asyncio.wait({producer})
+        # After a relay that ended normally the producer is done already: no wait.
+        if not producer.done():
+            await asyncio.wait({producer})
         if producer.cancelled() or producer.exception() is None:
             return
         exc = producer.exception()
@@ -429,8 +435,8 @@ class SessionActor:
                 self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=0
             )
         if result.status is PublishStatus.OK:
-            PUBLISHES.labels(stage=self.ctx.stage).inc()
-            EVENTS_OUT.labels(stage=self.ctx.stage).inc(sum(len(events) for _, events in groups))
+            self._publishes.inc()
+            self._events_out.inc(sum(len(events) for _, events in groups))
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
