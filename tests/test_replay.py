@@ -401,3 +401,24 @@ async def test_the_control_plane_replays_greedily_on_request(settings, coordinat
     assert info.result["identical"] is True and info.result["greedy"] is True
     assert info.result["again"]["target"] == "gjob-2"
     assert info.result["again"]["comparison"]["matched"] == 6
+
+
+async def test_duplexq_replay_greedy_prints_the_verdict_of_two_greedy_replays(
+    settings, coordinator, tmp_path, capsys
+):
+    from coordinator.cli import main
+
+    path = tmp_path / "settings.json"
+    path.write_text(f'{{"key_prefix": "{settings.key_prefix}"}}')
+    echo = tmp_path / "echo.json"
+    echo.write_text(ECHO.model_dump_json())
+    argv = ["replay", "src", "cli1", "--greedy", "--again", "cli2", "--timeout", "20"]
+    argv += ["--settings", str(path), "--redis-url", settings.redis_url, "--pipeline", str(echo)]
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+        code = await asyncio.to_thread(main, argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "replay src -> cli1 (echo, fast, greedy): greedy replays identical" in out
+    assert "second greedy replay cli2, against cli1:" in out and "note:" not in out
+    assert (await coordinator.authority.status("cli2"))["status"] == "closed"
