@@ -132,3 +132,29 @@ async def test_a_model_that_cannot_load_ends_the_worker(settings):
     with pytest.raises(RuntimeError, match="no weights here"):
         await asyncio.wait_for(worker.run(), 10)
     assert worker.state is WorkerState.STOPPED
+
+
+async def test_up_says_each_stage_ready_and_announces_the_fallback(settings, tmp_path):
+    from coordinator.local_stack import LocalStack
+
+    stack = LocalStack(settings, tmp_path / "pipeline.toml", tmp_path)
+    stack.stage_workers = {"echo": ["echo-0"]}  # as start_worker names them
+    backend = LoadingEcho(StageModel("package:smollm2", fallback=True))
+    lines: list[str] = []
+    async with running_worker(settings, PIPELINE, "echo", backend=backend, worker_id="echo-0"):
+        waiting = asyncio.create_task(
+            stack.wait_ready(["echo"], lambda line, **_: lines.append(line))
+        )
+        await asyncio.wait_for(backend.loading.wait(), 10)
+        await asyncio.sleep(0.5)
+        assert lines == [] and not waiting.done()  # loading: not ready yet
+        backend.gate.set()
+        await asyncio.wait_for(waiting, 10)
+    assert lines[0].startswith(
+        "stage echo: ready (package:smollm2 (RANDOM-WEIGHT fallback) loaded in "
+    )
+    assert lines[1].startswith(
+        "WARNING: echo-0 serves a tiny RANDOM-WEIGHT model (answers are gibberish)"
+    )
+    assert "docs/models.md" in lines[1] and len(lines) == 2
+    assert stack.fallback_notices() == lines[1:]
