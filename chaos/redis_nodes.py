@@ -5,8 +5,8 @@ cluster has 3 primaries with a replica each; its ``kill_redis`` fault is a
 SIGKILL of one primary, which comes back on its AOF after a pause (by then its
 replica may have been promoted, and it rejoins as that one's replica). Any
 primary may be killed, the first node the URL names too: the URL names three
-seed nodes, as a deployment should. In cluster mode the control plane's job queue has a plain Redis of
-its own (arq is not cluster-aware).
+seed nodes, as a deployment should. In cluster mode the control plane's job
+queue has a plain Redis of its own (arq is not cluster-aware).
 """
 
 from __future__ import annotations

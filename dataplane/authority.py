@@ -21,8 +21,7 @@ import json
 import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -89,21 +88,16 @@ class SessionAuthority:
         self._numbers = itertools.count(1)
         self._serial: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
-    @asynccontextmanager
-    async def _one_at_a_time(self, session_id: str) -> AsyncIterator[int]:
-        """Hold the session's call slot; yields the call's number (increasing)."""
+    async def _call(
+        self, script: Any, session_id: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> list[Any]:
+        """Run a mutating script as this producer's next call on ``session_id``: one at a
+        time per session (the session's lock), numbered in increasing order."""
         lock = self._serial.get(session_id)
         if lock is None:
             lock = self._serial[session_id] = asyncio.Lock()
         async with lock:
-            yield next(self._numbers)
-
-    async def _call(
-        self, script: Any, session_id: str, keys: Sequence[str], args: Sequence[Any]
-    ) -> list[Any]:
-        """Run a mutating script as this producer's next call on ``session_id``."""
-        async with self._one_at_a_time(session_id) as number:
-            return await self.bus.run(script, keys, [*args, self.producer, number])
+            return await self.bus.run(script, keys, [*args, self.producer, next(self._numbers)])
 
     def script_keys(self, session_id: str) -> list[str]:
         """KEYS for the lifecycle scripts: meta in ctl out prog client_bell, then

@@ -5,16 +5,24 @@ argument; at thousands of script calls a second that was about a tenth of the
 coordinator's and the worker's CPU (``bench/``). Its synchronous connection
 already packs with hiredis when hiredis is installed; this connection does the
 same for asyncio. The bytes on the wire are the same (``tests/test_packing.py``).
+
+It also sends without a task per write: redis-py bounds a write by the socket
+timeout with ``asyncio.wait_for``, which wraps every write in a new task (about
+a tenth of a pipelined command's cost); here the write is bounded by
+``asyncio.timeout``, with the same errors on a timeout or a broken socket.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 def pack(args: tuple[Any, ...]) -> bytes:
@@ -39,3 +47,33 @@ class PackedConnection(aioredis.Connection):
 
     def pack_commands(self, commands: Iterable[Iterable[Any]]) -> list[bytes]:
         return [b"".join(pack(tuple(command)) for command in commands)]
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        if not self.is_connected:
+            await self.connect()  # type: ignore[no-untyped-call]
+        elif check_health:
+            await self.check_health()  # type: ignore[no-untyped-call]
+        writer = self._writer
+        if writer is None:
+            raise RedisConnectionError("the connection was closed before the write")
+        try:
+            if isinstance(command, str):
+                command = command.encode()
+            if isinstance(command, bytes):
+                command = [command]
+            writer.writelines(command)
+            # drain() waits only while the socket's buffer is full; that wait is bounded.
+            async with asyncio.timeout(self.socket_timeout):
+                await writer.drain()
+        except TimeoutError:
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await self.disconnect(nowait=True)
+            raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            # A write cut short (cancelled) leaves the stream out of step: start afresh.
+            await self.disconnect(nowait=True)
+            raise

@@ -51,3 +51,34 @@ async def test_the_bus_talks_to_redis_through_packed_connections(redis_server):
         assert length == 1
     finally:
         await bus.aclose()
+
+
+async def test_a_write_the_peer_does_not_take_times_out_and_closes_the_connection():
+    """A peer that stops reading fills the socket: the write fails with redis-py's
+    TimeoutError after the socket timeout (as redis-py's own connection does), and the
+    connection is closed, so the next command starts on a fresh one."""
+    import asyncio
+    import time
+
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        conn = PackedConnection(host="127.0.0.1", port=port, socket_timeout=0.3)
+        conn._reader, conn._writer = await asyncio.open_connection("127.0.0.1", port)
+        began = time.monotonic()
+        with pytest.raises(RedisTimeoutError):
+            await conn.send_packed_command(b"x" * (64 << 20), check_health=False)
+        assert 0.25 < time.monotonic() - began < 5
+        assert not conn.is_connected
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
