@@ -366,11 +366,17 @@ async def _open_target(
     if greedy and caps is not None and InputMode.UPDATE_SESSION not in caps:
         caps.append(InputMode.UPDATE_SESSION)
     await authority.open(target, caps)
+    # A stage's new owner starts from the session's stored settings and applies the
+    # settings events after its position (as on a live session): the target stores the
+    # source's, so an owner that takes over mid-replay keeps instructions, voice, ...
+    raw = (await bus.hmget(bus.keys.session(source).meta, ["config"]))[0]
+    if raw or greedy:
+        config = SessionConfig.model_validate_json(raw) if raw else SessionConfig()
+        if greedy:
+            config = config.model_copy(update={"greedy": True})
+        await bus.hset(bus.keys.session(target).meta, {"config": config.model_dump_json()})
     if greedy:
-        # Stored for a stage's new owner (it starts from the stored settings), then
-        # sent in order to the stages that own the session already.
-        config = SessionConfig(greedy=True).model_dump_json()
-        await bus.hset(bus.keys.session(target).meta, {"config": config})
+        # Sent in order to the stages that own the session already.
         await authority.append(target, InputMode.UPDATE_SESSION, SettingsPayload(greedy=True))
 
 

@@ -49,6 +49,8 @@ from schemas.events import (
     encode_event,
 )
 from schemas.fence import Fence
+from schemas.realtime import SessionConfig
+from schemas.session_shape import settings_from_json, stage_settings
 from tests.pipeline_helpers import collect, fast_settings, running_worker
 
 ECHO = echo_pipeline("echo")
@@ -265,6 +267,23 @@ async def test_replay_fast_and_at_recorded_pace_reproduces_the_outputs(settings,
     assert (await coordinator.authority.status("fast1"))["status"] == "closed"
     assert (await coordinator.authority.status("src"))["status"] == "open"
     assert "identical" in report.summary() and report.to_dict()["identical"] is True
+
+
+async def test_a_replay_target_stores_the_sources_settings_for_new_owners(settings, coordinator):
+    """A stage's new owner starts from the session's stored settings: a target that
+    did not store the source's would lose its instructions and voice at a failover."""
+    bus = coordinator.bus
+    config = SessionConfig(instructions="answer briefly", voice="verse")
+    async with running_worker(settings, ECHO, "echo"):
+        await _record(coordinator)
+        await bus.hset(bus.keys.session("src").meta, {"config": config.model_dump_json()})
+        await replay_session(bus, ECHO, "src", "plain1")
+        await replay_session(bus, ECHO, "src", "greedy1", greedy=True, quiet_s=1.0)
+    for target, greedy in (("plain1", False), ("greedy1", True)):
+        raw = (await bus.hmget(bus.keys.session(target).meta, ["config"]))[0]
+        stored = settings_from_json(raw)
+        assert stored.instructions == "answer briefly" and stored.greedy is greedy, target
+        assert stored.voice == stage_settings(config).voice
 
 
 async def test_replay_into_a_different_pipeline_reports_the_mismatch(settings, coordinator):
