@@ -11,6 +11,7 @@ Ctrl-C (``--demo-only`` stops after the demonstration).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -200,7 +201,7 @@ class LocalStack:
             text = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")
         except OSError:
             return "(no log)"
-        tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+        tail = [_readable(line) for line in text.splitlines() if line.strip()][-lines:]
         return " | ".join(tail) or "(empty log)"
 
     def check_alive(self) -> None:
@@ -386,3 +387,22 @@ async def _demonstrate_failover(
     out(f"failover: killed {owner} with SIGKILL; {heir} answered {elapsed * 1000:.0f} ms "
         f"later at incarnation {got[-1].fence.incarnation}")  # fmt: skip
     return True
+
+
+def _readable(line: str) -> str:
+    """A log line as a person reads it: a JSON line (``dataplane.logs``) as its message
+    and, for a traceback, only its last line (the error itself)."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return line
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(entry, dict) or "msg" not in entry:
+        return line
+    text = str(entry["msg"])
+    error = str(entry.get("exc") or "").strip().splitlines()[-1:]
+    if error and error[0] not in text:
+        text += f": {error[0]}"
+    return text

@@ -21,6 +21,7 @@ from schemas.keys import Keys
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.realtime_helpers import serving
 from workers.backends.echo import EchoBackend
+from workers.loading import ModelLoadFailed
 from workers.runtime import Worker, WorkerState
 
 PIPELINE = echo_pipeline("echo")
@@ -129,7 +130,8 @@ async def test_a_model_that_cannot_load_ends_the_worker(settings):
     backend = LoadingEcho(StageModel("m"), error=RuntimeError("no weights here"))
     backend.gate.set()
     worker = Worker(settings, PIPELINE, "echo", backend=backend)
-    with pytest.raises(RuntimeError, match="no weights here"):
+    with pytest.raises(ModelLoadFailed, match="stage echo: its model did not load: "
+                       "RuntimeError: no weights here"):  # fmt: skip
         await asyncio.wait_for(worker.run(), 10)
     assert worker.state is WorkerState.STOPPED
 

@@ -84,9 +84,32 @@ def test_a_child_that_dies_at_start_is_one_line_with_its_log(tmp_path):
     assert proc.returncode == 1, out + err
     line = err.strip()
     assert "\n" not in line
-    assert line.startswith("duplexq up: error: tts-0 exited with code 1: ")
+    # A stage's options it refuses as it starts are a configuration mistake: exit 2.
+    assert line.startswith("duplexq up: error: tts-0 exited with code 2: ")
     assert "'no-such-espeak' not found (apt install espeak-ng)" in line
     assert f"(log: {tmp_path / 'work' / 'logs' / 'tts-0'}.log)" in line
+
+
+def test_a_model_that_does_not_load_is_one_line_naming_the_stage_and_the_cause(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "model.bin").write_bytes(b"not a model")
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text(
+        'name = "speech"\n[[stages]]\nname = "asr"\nbackend = "asr"\nto_client = true\n'
+        f'[stages.options]\nmodel_path = "{broken}"\n'
+    )
+    proc = up("--pipeline", str(pipeline), "--port", str(free_port()), "--workers", "1",
+              "--no-demo", workdir=tmp_path / "work")  # fmt: skip
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1, out + err
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in line and '{"' not in line
+    assert line.startswith("duplexq up: error: asr-0 exited with code 1: ")
+    assert "stage asr: its model did not load: RuntimeError: " in line
+    # The traceback is kept in the worker's log for whoever debugs it.
+    log = (tmp_path / "work" / "logs" / "asr-0.log").read_text()
+    assert "Traceback" in log
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])

@@ -23,6 +23,7 @@ from dataplane.logs import setup_logging
 from dataplane.metrics import serve_metrics
 from schemas.config import ConfigError
 from workers.check import pipeline_problems
+from workers.loading import ModelLoadFailed
 from workers.runtime import Worker
 
 
@@ -118,11 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         # Said at once; a long-running worker then keeps trying, as it does when Redis
         # goes away later, so a worker may start before its Redis.
         logging.getLogger("duplexq.worker").error("%s; retrying", exc)
-    worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
+    log = logging.getLogger("duplexq.worker")
+    try:
+        worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
+    except ValueError as exc:  # the stage's options (a backend refuses them as it starts)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve(worker, args.metrics_port))
+    except ModelLoadFailed as exc:
+        # One line for whoever reads the log's tail, the cause's traceback with it.
+        log.error("%s", exc, exc_info=exc.__cause__ or exc)
+        return 1
     except Exception:
-        logging.getLogger("duplexq.worker").exception("worker %s failed", worker.worker_id)
+        log.exception("worker %s failed", worker.worker_id)
         return 1
     return 0
 

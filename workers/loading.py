@@ -22,6 +22,11 @@ from dataplane.readiness import StageModel
 from workers.backends.base import LoadsModel, StageBackend
 
 
+class ModelLoadFailed(RuntimeError):
+    """The stage's model did not load; the message is one line for the operator (the
+    cause stays chained, with its traceback)."""
+
+
 async def load_model(backend: StageBackend) -> StageModel:
     """Load ``backend``'s model and say what it serves, with the time it took."""
     load = getattr(backend, "load", None)

@@ -59,7 +59,7 @@ from schemas.keys import ASSIGN_GROUP, Keys
 from schemas.session_shape import settings_from_json
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
-from workers.loading import load_until_stopped
+from workers.loading import ModelLoadFailed, load_until_stopped
 from workers.ownership import AcquireStatus, Lease, StageOwnership
 from workers.rebuild import load_takeover
 
@@ -141,7 +141,12 @@ class Worker:
         nothing is left to do)."""
         await self.bus.ensure_group(self.keys.assign(self.stage), ASSIGN_GROUP)
         try:
-            model = await load_until_stopped(self.backend, self._stopping)
+            try:
+                model = await load_until_stopped(self.backend, self._stopping)
+            except Exception as exc:
+                raise ModelLoadFailed(
+                    f"stage {self.stage}: its model did not load: {type(exc).__name__}: {exc}"
+                ) from exc
             if model is None or self.state is not WorkerState.STARTING:
                 return  # stopped while loading
             # Recorded before the first heartbeat: a live worker is a loaded one.
