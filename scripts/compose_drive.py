@@ -12,12 +12,15 @@ and checked; the first failed check ends the run with its reason:
    answered in words (the default thinker, SmolLM2, on vLLM);
 3. a barge-in mid-answer: after ``duplexq.response.cancelled`` no event of the
    cancelled epoch arrives, and the next turn is answered;
-4. ``docker-compose up --scale tts=3``: three healthy tts containers;
+4. ``docker-compose up --scale tts=3``: three healthy tts containers; every
+   container of every worker service serves its metrics on port 9100, found
+   by its service name as configs/prometheus.yml finds it;
 5. ``docker kill`` of the tts container holding the session: the session's
    next answer comes, with speech, from another container;
 6. ``docker-compose restart redis``: every input entry acknowledged before
    is still in the session's log, and the session answers again;
-7. the echo profile (``DUPLEXQ_PIPELINE=configs/echo.toml``) answers a turn;
+7. the echo profile's stack (its own coordinator, on the port the default
+   one had) answers a turn;
 8. ``docker-compose down``: no container of the project is left.
 
 Only 127.0.0.1 is contacted: the coordinator's published port. Redis is read
@@ -45,7 +48,6 @@ from schemas.keys import Keys
 
 API_KEY = "compose-test-key"
 DEFAULT = "configs/default.toml"
-ECHO = "configs/echo.toml"
 HEALTHY_WITHIN_S = 900.0
 """Cold start on a small CPU machine: vLLM and Whisper load from scratch."""
 ANSWER_WITHIN_S = 180.0
@@ -77,6 +79,7 @@ class Stack:
         env.update(
             DUPLEXQ_PIPELINE=self.pipeline,
             DUPLEXQ_PUBLISH_PORT=str(self.port),
+            DUPLEXQ_ECHO_PUBLISH_PORT=str(self.port),
             DUPLEXQ_API_KEYS=API_KEY,
         )
         return env
@@ -243,6 +246,34 @@ async def barge_in(session: Session, stack: Stack) -> None:
     print(f"barge-in: the answer cut after {len(cut)} output deltas; the next: {answer!r}")
 
 
+SCRAPE = """
+import socket, sys, urllib.request
+for name in sys.argv[1:]:
+    infos = socket.getaddrinfo(name, 9100, socket.AF_INET, socket.SOCK_STREAM)
+    for addr in sorted({info[4][0] for info in infos}):
+        body = urllib.request.urlopen(f"http://{addr}:9100/metrics", timeout=5).read()
+        samples = [l for l in body.decode().splitlines() if l.startswith("duplexq_")]
+        print(name, addr, len(samples))
+"""
+
+
+async def worker_metrics(stack: Stack, expected: dict[str, int]) -> None:
+    """From inside the project network (the coordinator's container), each worker
+    service's name resolves to ``expected`` addresses, each serving duplexq's metrics
+    on port 9100: what configs/prometheus.yml scrapes."""
+    out = await stack.compose("exec", "-T", "coordinator", "python", "-c", SCRAPE, *expected)
+    found: dict[str, int] = {}
+    for line in out.split("\n"):
+        if line.strip():
+            service, addr, samples = line.split()
+            if int(samples) == 0:
+                raise Failed(f"{service} at {addr} serves no duplexq metric")
+            found[service] = found.get(service, 0) + 1
+    if found != expected:
+        raise Failed(f"worker metrics endpoints {found}, expected {expected}")
+    print(f"worker metrics scraped on port 9100: {found}")
+
+
 async def lease_owner(stack: Stack, session_id: str, stage: str) -> tuple[str, int]:
     """(container host name, incarnation) of the worker holding (session, stage)."""
     value = (await stack.redis("GET", Keys().session(session_id).lease(stage))).strip()
@@ -307,14 +338,16 @@ async def default_pipeline(stack: Stack) -> None:
         scaled_s = await stack.wait_healthy({**services, "tts": 3})
         stack.figures["`--scale tts=3` to healthy"] = f"{scaled_s:.0f} s"
         print(f"tts scaled to 3 in {scaled_s:.0f} s")
+        await worker_metrics(stack, {"vad": 1, "asr": 1, "thinker": 1, "tts": 3})
         await kill_owner(session, stack)
         await restart_redis(session, stack)
     await stack.compose("down", "--volumes", "--timeout", "10")
 
 
 async def echo_profile(stack: Stack) -> None:
-    stack.pipeline = ECHO
-    services = ["coordinator", "control", "thinker", "talker"]
+    """The echo profile's own stack, alone: it runs configs/echo.toml whatever
+    DUPLEXQ_PIPELINE says."""
+    services = ["echo-coordinator", "echo-control", "echo-thinker", "echo-talker"]
     await stack.compose("--profile", "echo", "up", "-d", "--no-build", *services)
     healthy_s = await stack.wait_healthy({"redis": 1, **dict.fromkeys(services, 1)})
     async with Session(stack.port) as session:
