@@ -39,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -77,6 +77,10 @@ PAGE = 500
 """Entries (or keys) one Redis round trip handles in the scans below."""
 TRIM_SCAN_LIMIT = 20_000
 """Most entries one trim run walks per stream; a longer excess is trimmed over several runs."""
+FORGET_WORKERS_AFTER_MS = 600_000
+"""A worker not heard from for this long is forgotten (its entry in the stage's worker
+set and its model record): one that was killed never withdrew them, and a deployment
+that scales up and down would otherwise keep every worker it ever ran."""
 
 
 def now_ms() -> int:
@@ -140,13 +144,29 @@ async def _live_workers(state: ControlState, stage: str, now: int) -> int:
     return int(await state.bus.client.zcount(state.keys.workers(stage), oldest, "+inf"))
 
 
+async def _forget_dead_workers(state: ControlState, stage: str, now: int) -> int:
+    """Forget ``stage``'s workers silent for ``FORGET_WORKERS_AFTER_MS``; how many."""
+    workers, models = state.keys.workers(stage), state.keys.stage_models(stage)
+    dead = await state.bus.client.zrangebyscore(
+        workers, "-inf", f"({now - FORGET_WORKERS_AFTER_MS}"
+    )
+    if dead:
+        await state.bus.client.zrem(workers, *dead)
+        await cast(Awaitable[int], state.bus.client.hdel(models, *dead))
+    return len(dead)
+
+
 async def audit_leases(ctx: dict[str, Any]) -> dict[str, int]:
-    """Re-offer (session, stage) pairs that have no lease; forget closed sessions."""
+    """Re-offer (session, stage) pairs that have no lease; forget closed sessions and
+    workers long dead."""
     state = _state(ctx)
     now = now_ms()
     stages = state.pipeline.stage_names
     live = {stage: await _live_workers(state, stage, now) > 0 for stage in stages}
     counts: Counter[str] = Counter()
+    for stage in stages:
+        if forgotten := await _forget_dead_workers(state, stage, now):
+            counts["workers_forgotten"] += forgotten
     grace_ms = state.settings.resume_grace_s * 1000
     async for session_id, indexed_ms in state.sessions():
         sk = state.keys.session(session_id)

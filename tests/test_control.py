@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from coordinator.control import (
+    FORGET_WORKERS_AFTER_MS,
     add_commands,
     audit_leases,
     close_context,
@@ -36,6 +37,7 @@ from coordinator.control_core import (
 )
 from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
+from dataplane.readiness import StageModel
 from schemas.config import PipelineConfig, StageConfig, echo_pipeline
 from schemas.events import ControlKind, TextPayload, decode_control, decode_input
 from schemas.keys import ASSIGN_GROUP, Keys
@@ -512,3 +514,16 @@ async def test_time_retention_trims_old_entries_but_never_unapplied_ones(setting
     finally:
         await close_context(ctx)
         await coordinator.aclose()
+
+
+async def test_audit_forgets_workers_long_dead_and_their_model_records(coordinator, ctx):
+    bus = coordinator.bus
+    now = int(time.time() * 1000)
+    workers, models = bus.keys.workers("echo"), bus.keys.stage_models("echo")
+    await bus.client.zadd(workers, {"killed": now - FORGET_WORKERS_AFTER_MS - 1000, "live": now})
+    await bus.hset(models, {"killed": StageModel("m").to_json(), "live": StageModel("m").to_json()})
+    result = await audit_leases(ctx)
+    assert result.get("workers_forgotten") == 1
+    assert [w.decode() for w in await bus.client.zrange(workers, 0, -1)] == ["live"]
+    assert set(await bus.hgetall(models)) == {"live"}
+    assert "workers_forgotten" not in await audit_leases(ctx)  # nothing more to forget
