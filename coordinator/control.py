@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
@@ -437,33 +438,55 @@ async def run_control(
     handle_signals: bool = True,
     schedule: ControlSchedule | None = None,
 ) -> Worker:
-    """Run the control plane's arq worker until a signal (or, in burst mode,
+    """Run the control plane's arq worker until SIGTERM/SIGINT (or, in burst mode,
     until the queue is empty); returns the worker for its counters.
 
     Losing Redis is a pause, not an end: arq's worker stops on a connection
-    error (or anything else), so a new one is started, with a growing pause, until
-    Redis answers again (``tests/test_control.py``)."""
+    error (or anything else, such as a full Redis refusing its writes), so a new one
+    is started, with a growing pause, until Redis answers again
+    (``tests/test_control.py``). The signals are handled here, not by arq: arq's
+    handler belongs to one worker, and a signal between two of them, or during one
+    that is failing to start, was lost (the process then ignored SIGTERM)."""
     cls = worker_settings(settings, pipeline, burst=burst, schedule=schedule)
+    stop = asyncio.Event()
+    attempt: asyncio.Future[None] | None = None
+
+    def on_signal() -> None:
+        stop.set()
+        if attempt is not None:
+            attempt.cancel()
+
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
     pause_s = 0.2
-    while True:
-        worker = create_worker(dict(vars(cls)), burst=burst, handle_signals=handle_signals)
-        try:
-            await worker.async_run()
-            return worker
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            # arq's signal handler cancelled its main task: the normal way to stop.
-            return worker
-        except Exception:
-            # Mostly Redis going away (arq also raises a WatchError for a connection
-            # lost inside its job pickup); a loop that survives logs and starts again.
-            log.exception("the control plane's worker stopped; restarting in %.1f s", pause_s)
-        finally:
-            await _shutdown(worker)
-        await asyncio.sleep(pause_s)
-        pause_s = min(pause_s * 2, 5.0)
+    try:
+        while True:
+            worker = create_worker(dict(vars(cls)), burst=burst, handle_signals=False)
+            attempt = asyncio.ensure_future(worker.async_run())
+            try:
+                await attempt
+                return worker
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                return worker  # a signal stopped it: the normal way to stop
+            except Exception:
+                # Mostly Redis going away or full (arq also raises a WatchError for a
+                # connection lost inside its job pickup): log and start again.
+                log.exception("the control plane's worker stopped; restarting in %.1f s", pause_s)
+            finally:
+                await _shutdown(worker)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause_s)
+            if stop.is_set():
+                return worker
+            pause_s = min(pause_s * 2, 5.0)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 async def _shutdown(worker: Worker) -> None:

@@ -527,3 +527,47 @@ async def test_audit_forgets_workers_long_dead_and_their_model_records(coordinat
     assert [w.decode() for w in await bus.client.zrange(workers, 0, -1)] == ["live"]
     assert set(await bus.hgetall(models)) == {"live"}
     assert "workers_forgotten" not in await audit_leases(ctx)  # nothing more to forget
+
+
+@pytest.mark.parametrize("after_s", [0.5, 4.0], ids=["starting", "restarting"])
+def test_the_control_plane_stops_on_sigterm_while_redis_refuses_its_writes(tmp_path, after_s):
+    """A full Redis (noeviction) refuses the job queue's writes, so arq's worker fails
+    at once and is started again and again; SIGTERM still stops the process promptly,
+    whether it comes while a worker starts or between two of them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import redis
+
+    from tests.processes import ROOT
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=False, extra=["--maxmemory", "2mb"])
+    server.start()
+    try:
+        with redis.Redis(port=server.port) as client, contextlib.suppress(redis.OutOfMemoryError):
+            for i in range(10_000):
+                client.set(f"filler:{i}", b"x" * 10_000)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "control"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "DUPLEXQ_REDIS_URL": server.url},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(after_s)
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if after_s > 2:
+            assert "restarting" in err  # it was failing over and over, as Redis is full
+    finally:
+        server.stop()
