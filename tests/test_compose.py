@@ -308,7 +308,7 @@ def test_the_cluster_profile_runs_six_persisting_nodes_and_joins_them_once(
     env_file: Path,
 ) -> None:
     cluster_env = {
-        "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379",
+        "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
         "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
     }
     config = compose_config(env_file, "cluster", env=cluster_env)

@@ -44,7 +44,7 @@ from tests.test_compose import (
 
 PROFILES = ("echo", "gpu", "cluster", "metrics")
 CLUSTER_ENV = {
-    "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379",
+    "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
     "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
 }
 """The variables docs/deploy.md sets for the cluster profile."""
