@@ -18,49 +18,29 @@ wrapped in the processor's ``<fake_token_around_image>`` markers.
 from __future__ import annotations
 
 import io
-import os
-import time
 
 import pytest
-import pytest_asyncio
 from PIL import Image
 
 from coordinator.service import Coordinator
 from schemas.config import PipelineConfig, StageConfig
 from schemas.events import OutputKind, TextPayload, VideoPayload
+from tests.engine_helpers import (
+    TINY_ENGINE_OPTIONS,
+    engine_fixture,
+    engine_test_marks,
+    model_dir_fixture,
+)
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm, idefics3_image_tokens
 
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-    os.environ.setdefault(_name, "1")
-
 STAGE = "watcher"
-ENGINE_OPTIONS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": 64 << 20,
-    "enforce_eager": True,
-    "seed": 0,
-    "temperature": 0.0,
-    "limit_mm_per_prompt": {"image": 8},
-}
+ENGINE_OPTIONS = {**TINY_ENGINE_OPTIONS, "limit_mm_per_prompt": {"image": 8}}
 SIZES = [(100, 40), (30, 30)]
 """Frame sizes: one wide frame (a 1x2 tile grid) and one small square (2x2)."""
 
-THIRD_PARTY_WARNINGS = [
-    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
-    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
-    for module in ("torch.*", "vllm.*", "transformers.*", "PIL.*")
-]
-
-
-def engine_test(fn):
-    # The first engine test also starts the engine: half a minute, more on a busy machine.
-    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
-    for mark in marks + THIRD_PARTY_WARNINGS:
-        fn = mark(fn)
-    return fn
+engine_test = engine_test_marks("PIL.*")
 
 
 def png(size: tuple[int, int], shade: int) -> bytes:
@@ -69,41 +49,17 @@ def png(size: tuple[int, int], shade: int) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import vllm  # noqa: F401 - scripts/setup installs it; a missing vLLM fails these tests
-
-    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm")))
+model_dir = model_dir_fixture(build_tiny_vlm, "tiny-vlm")
 
 
-class Recorder:
-    """Wraps ``AsyncLLM.generate``: keeps each request's prompt and last output."""
-
-    def __init__(self, llm):
-        self.requests: dict[str, tuple[dict, object]] = {}
-        self._generate = llm.generate
-
-    async def generate(self, prompt, params, request_id, *args, **kwargs):
-        self.requests[request_id] = (prompt, None)
-        async for output in self._generate(prompt, params, request_id, *args, **kwargs):
-            # Kept as it comes: the stage may close the stream after any step.
-            self.requests[request_id] = (prompt, output)
-            yield output
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
+def start_engine(model_dir: str):
     from workers.backends.mage_vl_core import parse_options
     from workers.backends.minicpmo_engine import MiniCPMOEngine
 
-    engine = MiniCPMOEngine(parse_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}).engine)
-    started = time.monotonic()
-    llm = await engine.ready()
-    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
-    engine.recorder = Recorder(llm)
-    llm.generate = engine.recorder.generate  # the instance's generate: recorded, unchanged
-    yield engine
-    await engine.shutdown()
+    return MiniCPMOEngine(parse_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}).engine)
+
+
+engine = engine_fixture(start_engine, record=True)
 
 
 @pytest.fixture

@@ -13,13 +13,11 @@ engine really generates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
-import os
 import re
-import time
 
 import pytest
-import pytest_asyncio
 from PIL import Image
 
 from coordinator.service import Coordinator
@@ -37,6 +35,14 @@ from schemas.events import (
     VideoPayload,
 )
 from schemas.fence import Fence
+from tests.engine_helpers import (
+    TINY_ENGINE_OPTIONS,
+    engine_fixture,
+    engine_test_marks,
+    greedy_steps,
+    model_dir_fixture,
+)
+from tests.engine_helpers import eventually as _eventually
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
@@ -59,18 +65,8 @@ from workers.backends.mage_vl_core import (
 )
 from workers.backends.registry import create_backend
 
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-    os.environ.setdefault(_name, "1")
-
 STAGE = "watcher"
-ENGINE_OPTIONS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": 64 << 20,
-    "enforce_eager": True,
-    "seed": 0,
-    "temperature": 0.0,
-}
+ENGINE_OPTIONS = {**TINY_ENGINE_OPTIONS}
 
 
 def jpeg(shade: int = 90, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -323,41 +319,18 @@ async def test_nothing_of_an_old_epoch_is_published_under_a_newer_fence():
 
 # -- through the engine ----------------------------------------------------------------------
 
-THIRD_PARTY_WARNINGS = [
-    # vLLM, torch and transformers warn about their own internals while vLLM is
-    # imported and the engine starts; this suite turns warnings into errors.
-    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
-    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
-    for module in ("torch.*", "vllm.*", "transformers.*")
-]
+engine_test = engine_test_marks()
+model_dir = model_dir_fixture(build_tiny_model, "tiny-model")
 
 
-def engine_test(fn):
-    # The first engine test also starts the engine: half a minute, more on a busy machine.
-    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
-    for mark in marks + THIRD_PARTY_WARNINGS:
-        fn = mark(fn)
-    return fn
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import vllm  # noqa: F401 - scripts/setup installs it; a missing vLLM fails these tests
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
+def start_engine(model_dir: str):
     from workers.backends.vllm_engine import VllmEngine
     from workers.backends.vllm_options import parse_options as engine_options
 
-    engine = VllmEngine(engine_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
-    started = time.monotonic()
-    await engine.ready()
-    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
-    yield engine
-    await engine.shutdown()
+    return VllmEngine(engine_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
+
+
+engine = engine_fixture(start_engine)
 
 
 @pytest.fixture
@@ -384,10 +357,7 @@ def dones(count, session=None):
     return lambda got: len(outputs(got, OutputKind.DONE, session)) >= count
 
 
-async def eventually(check, timeout=20.0):
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
+eventually = functools.partial(_eventually, timeout=20.0)
 
 
 def records(backend, session, purpose=None):
@@ -412,13 +382,7 @@ def settled(backend, session, gates):
 
 async def reference(engine, prompt: str, max_tokens: int) -> str:
     """What the engine generates, uninterrupted and greedily, for ``prompt``."""
-    from workers.backends.vllm_engine import SamplingSpec
-
-    text = ""
-    spec = SamplingSpec(max_tokens, 0.0, 1.0, 0)
-    async for step in engine.generate(engine.encode(prompt), spec, f"ref-{time.time_ns()}"):
-        text += step.text
-    return text
+    return "".join([step.text async for step in greedy_steps(engine, prompt, max_tokens)])
 
 
 def responses(found):

@@ -21,90 +21,46 @@ second and 66 per image block is checked on a GPU (bench/gpu_minicpmo_media.py).
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
-
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from coordinator.service import Coordinator
 from schemas.config import PipelineConfig, StageConfig
 from schemas.events import AudioPayload, InputMode, UnitPayload
+from tests.engine_helpers import (
+    TINY_ENGINE_OPTIONS,
+    engine_fixture,
+    engine_test_marks,
+    eventually,
+    model_dir_fixture,
+)
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.tiny_audio_lm import build_tiny_audio_lm, qwen2_audio_tokens
 from workers.extensions.budget import audio_tokens_for_samples
-
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-    os.environ.setdefault(_name, "1")
 
 STAGE = "thinker"
 SAMPLES = 10_240
 """0.64 s at 16 kHz: MiniCPM-o's budget and Qwen2-Audio's rule both give 16 tokens."""
 ENGINE_OPTIONS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": 64 << 20,
-    "enforce_eager": True,
-    "seed": 0,
-    "temperature": 0.0,
+    **TINY_ENGINE_OPTIONS,
     "limit_mm_per_prompt": {"audio": 8},
     # The reserve is made of <unk>, here the audio token itself: none.
     "context_reserve": 0,
     "audio_marker": "<unk>",
 }
 
-THIRD_PARTY_WARNINGS = [
-    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
-    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
-    for module in ("torch.*", "vllm.*", "transformers.*", "librosa.*")
-]
+engine_test = engine_test_marks("librosa.*")
+model_dir = model_dir_fixture(build_tiny_audio_lm, "tiny-audio-lm")
 
 
-def engine_test(fn):
-    # The first engine test also starts the engine: half a minute, more on a busy machine.
-    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
-    for mark in marks + THIRD_PARTY_WARNINGS:
-        fn = mark(fn)
-    return fn
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import vllm  # noqa: F401 - scripts/setup installs it; a missing vLLM fails these tests
-
-    return str(build_tiny_audio_lm(tmp_path_factory.mktemp("tiny-audio-lm")))
-
-
-class Recorder:
-    """Wraps ``AsyncLLM.generate``: keeps each request's prompt and last output."""
-
-    def __init__(self, llm):
-        self.requests: dict[str, tuple[dict, object]] = {}
-        self._generate = llm.generate
-
-    async def generate(self, prompt, params, request_id, *args, **kwargs):
-        self.requests[request_id] = (prompt, None)
-        async for output in self._generate(prompt, params, request_id, *args, **kwargs):
-            # Kept as it comes: the stage may close the stream after any step.
-            self.requests[request_id] = (prompt, output)
-            yield output
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
+def start_engine(model_dir: str):
     from workers.backends.minicpmo_engine import MiniCPMOEngine
     from workers.backends.minicpmo_options import parse_minicpmo_options
 
-    engine = MiniCPMOEngine(parse_minicpmo_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
-    started = time.monotonic()
-    llm = await engine.ready()
-    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
-    engine.recorder = Recorder(llm)
-    llm.generate = engine.recorder.generate  # the instance's generate: recorded, unchanged
-    yield engine
-    await engine.shutdown()
+    return MiniCPMOEngine(parse_minicpmo_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
+
+
+engine = engine_fixture(start_engine, record=True)
 
 
 @pytest.fixture
@@ -114,12 +70,6 @@ def settings(redis_server, key_prefix):
 
 def clip(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-0.5, 0.5, SAMPLES).astype(np.float32)
-
-
-async def eventually(check, timeout=60.0):
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.02)
 
 
 @engine_test
@@ -146,7 +96,8 @@ async def test_unit_audio_reaches_the_model_and_expands_to_the_budget(engine, se
                 lambda: (
                     len(backend.records.values()) == 2
                     and all(r.outcome != "running" for r in backend.records.values())
-                )
+                ),
+                timeout=60.0,
             )
     finally:
         await coordinator.aclose()

@@ -13,13 +13,9 @@ on it and talks to them through a real coordinator and a real redis-server.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from coordinator.realtime import ServerEventTranslator
 from coordinator.service import Coordinator
@@ -37,6 +33,7 @@ from schemas.events import (
     UnitPayload,
 )
 from schemas.fence import Fence
+from tests.engine_helpers import TINY_ENGINE_OPTIONS, engine_fixture, engine_test_marks, eventually
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
@@ -54,19 +51,11 @@ from workers.backends.registry import create_backend
 from workers.extensions.base import Decision, DecisionAction
 from workers.extensions.minicpmo import MiniCPMOExtension, MiniCPMOTokenIds
 
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-    os.environ.setdefault(_name, "1")
-
 STAGE = "thinker"
 EXTRA_TOKENS = ("<|listen|>", "<|speak|>", "<unk>")
 RESERVE = 16
 ENGINE_OPTIONS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": 64 << 20,
-    "enforce_eager": True,
-    "seed": 0,
-    "temperature": 0.0,
+    **TINY_ENGINE_OPTIONS,
     "context_reserve": RESERVE,
 }
 ONE_SECOND = b"\0" * (16_000 * 4)
@@ -245,21 +234,7 @@ def test_registry_builds_the_stage_and_the_gpu_config_validates():
 
 # -- through the engine ------------------------------------------------------------------
 
-THIRD_PARTY_WARNINGS = [
-    # vLLM, torch and transformers warn about their own internals while vLLM is
-    # imported and the engine starts; this suite turns warnings into errors.
-    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
-    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
-    for module in ("torch.*", "vllm.*", "transformers.*")
-]
-
-
-def engine_test(fn):
-    # The first engine test also starts the engine: half a minute, more on a busy machine.
-    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
-    for mark in marks + THIRD_PARTY_WARNINGS:
-        fn = mark(fn)
-    return fn
+engine_test = engine_test_marks()
 
 
 @pytest.fixture(scope="module")
@@ -269,16 +244,13 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(path, extra_special_tokens=EXTRA_TOKENS))
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
+def start_engine(model_dir: str):
     from workers.backends.minicpmo_stage import MiniCPMOEngine
 
-    engine = MiniCPMOEngine(parse_minicpmo_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
-    started = time.monotonic()
-    await engine.ready()
-    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
-    yield engine
-    await engine.shutdown()
+    return MiniCPMOEngine(parse_minicpmo_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
+
+
+engine = engine_fixture(start_engine)
 
 
 @pytest.fixture
@@ -314,12 +286,6 @@ def client_events(deliveries):
     for delivery in deliveries:
         events += translator.translate(delivery.event, delivery.server_event_seq)
     return [event["type"] for event in events]
-
-
-async def eventually(check, timeout=10.0):
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 @engine_test

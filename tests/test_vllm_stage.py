@@ -10,12 +10,9 @@ coordinator and a real redis-server.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import time
 
 import pytest
-import pytest_asyncio
 
 from coordinator.service import Coordinator
 from dataplane.request_ids import make_request_id, parse_request_id
@@ -36,6 +33,14 @@ from schemas.events import (
     decode_output,
 )
 from schemas.fence import Fence
+from tests.engine_helpers import (
+    TINY_ENGINE_OPTIONS,
+    engine_fixture,
+    engine_test_marks,
+    eventually,
+    greedy_steps,
+    model_dir_fixture,
+)
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
@@ -50,18 +55,8 @@ from workers.backends.vllm_history import (
 from workers.backends.vllm_options import parse_options
 from workers.runtime import Worker
 
-for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-    os.environ.setdefault(_name, "1")
-
 STAGE = "thinker"
-ENGINE_OPTIONS = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "kv_cache_memory_bytes": 64 << 20,
-    "enforce_eager": True,
-    "seed": 0,
-    "temperature": 0.0,
-}
+ENGINE_OPTIONS = {**TINY_ENGINE_OPTIONS}
 
 # -- the pure core (no engine) ---------------------------------------------------------
 
@@ -220,40 +215,17 @@ def test_options_are_validated_with_clear_errors():
 
 # -- through the engine ------------------------------------------------------------------
 
-THIRD_PARTY_WARNINGS = [
-    # vLLM, torch and transformers warn about their own internals while vLLM is
-    # imported and the engine starts; this suite turns warnings into errors.
-    pytest.mark.filterwarnings(f"ignore::{category}:{module}")
-    for category in ("DeprecationWarning", "FutureWarning", "UserWarning")
-    for module in ("torch.*", "vllm.*", "transformers.*")
-]
+engine_test = engine_test_marks()
+model_dir = model_dir_fixture(build_tiny_model, "tiny-model")
 
 
-def engine_test(fn):
-    # The first engine test also starts the engine: half a minute, more on a busy machine.
-    marks = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
-    for mark in marks + THIRD_PARTY_WARNINGS:
-        fn = mark(fn)
-    return fn
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import vllm  # noqa: F401 - scripts/setup installs it; a missing vLLM fails these tests
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir):
+def start_engine(model_dir: str):
     from workers.backends.vllm_engine import VllmEngine
 
-    engine = VllmEngine(parse_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
-    started = time.monotonic()
-    await engine.ready()
-    print(f"\nvLLM engine started in {time.monotonic() - started:.1f} s")
-    yield engine
-    await engine.shutdown()
+    return VllmEngine(parse_options(STAGE, {"model": model_dir, **ENGINE_OPTIONS}))
+
+
+engine = engine_fixture(start_engine)
 
 
 @pytest.fixture
@@ -280,23 +252,11 @@ def has_done(deliveries, **fence):
     )
 
 
-async def eventually(check, timeout=10.0):
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 async def reference(engine, prompt: str, max_tokens: int) -> tuple[int, ...]:
     """Token ids the engine produces, uninterrupted and greedily, for ``prompt``."""
-    from workers.backends.vllm_engine import SamplingSpec
-
-    ids: list[int] = []
-    spec = SamplingSpec(max_tokens, 0.0, 1.0, 0)
-    async for step in engine.generate(
-        engine.encode(prompt), spec, "reference-" + str(time.time_ns())
-    ):
-        ids.extend(step.token_ids)
-    return tuple(ids)
+    return tuple(
+        [i async for step in greedy_steps(engine, prompt, max_tokens) for i in step.token_ids]
+    )
 
 
 def assistant_messages(prompt: str) -> list[str]:
