@@ -1,11 +1,16 @@
-"""A coordinator served by uvicorn in the test's event loop, and a small client."""
+"""A coordinator served by uvicorn in the test's event loop (or in a child process),
+and a small client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -14,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
 from schemas.config import PipelineConfig, Settings, echo_pipeline
+from tests.processes import ROOT, write_pipeline
 from tests.redis_server import free_port
 
 
@@ -35,6 +41,51 @@ async def serving(settings: Settings, pipeline: PipelineConfig) -> AsyncIterator
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+
+
+@contextlib.asynccontextmanager
+async def coordinator_process(
+    settings: Settings,
+    pipeline: PipelineConfig,
+    directory: Path,
+    *args: str,
+    log: Path | None = None,
+) -> AsyncIterator[str]:
+    """``coordinator.cli coordinator`` (with ``args``) serving ``pipeline`` on a free port
+    in a child process, its output to ``log`` if given; yields the ws:// base URL once
+    it accepts connections and stops the process on the way out."""
+    port = free_port()
+    env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
+    pipeline_path = write_pipeline(directory, pipeline)
+    command = [sys.executable, "-m", "coordinator.cli", "coordinator", *args,
+               "--pipeline", str(pipeline_path), "--port", str(port)]  # fmt: skip
+    if log is None:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env)
+    else:
+        with log.open("wb") as output:
+            proc = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT
+            )
+    try:
+        await _listening(proc, port)
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+async def _listening(proc: subprocess.Popen[bytes], port: int) -> None:
+    async with asyncio.timeout(20):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                assert proc.poll() is None, f"the coordinator exited ({proc.returncode})"
+                await asyncio.sleep(0.05)
+            else:
+                writer.close()
+                await writer.wait_closed()
+                return
 
 
 class Client:

@@ -2,12 +2,8 @@
 subprotocol, short-lived client secrets (minted with the official SDK), and clean
 refusals of anything wrong. Real uvicorn, real Redis, echo workers."""
 
-import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,9 +14,13 @@ from openai import AsyncOpenAI
 
 from schemas.config import echo_pipeline
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.processes import ROOT, write_pipeline
-from tests.realtime_helpers import Client, serving, text_turn, until_completed
-from tests.redis_server import free_port
+from tests.realtime_helpers import (
+    Client,
+    coordinator_process,
+    serving,
+    text_turn,
+    until_completed,
+)
 
 
 @pytest.fixture
@@ -194,24 +194,12 @@ async def test_no_credential_reaches_the_access_log(settings, tmp_path):
     key = "dq-key-4f9a0c"
     settings = settings.model_copy(update={"api_keys": (key,)})
     pipeline = echo_pipeline("echo")
-    port = free_port()
-    env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--log-level", "info",
-            "--pipeline", str(write_pipeline(tmp_path, pipeline)), "--port", str(port)]  # fmt: skip
     log_path = tmp_path / "coordinator.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"ws://127.0.0.1:{port}"
+    info = ("--log-level", "info")
+    async with coordinator_process(settings, pipeline, tmp_path, *info, log=log_path) as base:
         async with httpx.AsyncClient() as http:
-            for _ in range(200):
-                try:
-                    await http.get(f"http://127.0.0.1:{port}/healthz")
-                    break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.05)
             answer = await http.post(
-                f"http://127.0.0.1:{port}/v1/realtime/client_secrets",
+                f"{_http(base)}/v1/realtime/client_secrets",
                 headers={"Authorization": f"Bearer {key}"},
             )
             secret = answer.json()["value"]
@@ -222,9 +210,6 @@ async def test_no_credential_reaches_the_access_log(settings, tmp_path):
         with pytest.raises(websockets.exceptions.InvalidStatus):
             async with await _connect_subprotocol(base, key + "-wrong-guess"):
                 pass
-    finally:
-        proc.terminate()
-        proc.wait(20)
     written = log_path.read_text()
     assert "client_secrets" in written and "/v1/realtime" in written  # it did log requests
     for credential in (key, secret[3:]):

@@ -4,9 +4,6 @@ import asyncio
 import base64
 import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import websockets
@@ -14,16 +11,15 @@ from PIL import Image
 
 from schemas.config import echo_pipeline
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.processes import ROOT, write_pipeline
 from tests.realtime_helpers import (
     Client,
+    coordinator_process,
     sample,
     serving,
     streaming_echo,
     text_turn,
     until_completed,
 )
-from tests.redis_server import free_port
 
 
 @pytest.fixture
@@ -206,38 +202,32 @@ async def test_session_limit_is_a_retryable_error(settings):
 
 async def test_resume_on_another_coordinator_process(settings, tmp_path):
     pipeline = streaming_echo(chunks=20, step_ms=10)
-    port = free_port()
-    env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "coordinator.cli", "coordinator",
-            "--pipeline", str(write_pipeline(tmp_path, pipeline)), "--port", str(port)]  # fmt: skip
-    other = subprocess.Popen(args, cwd=ROOT, env=env)
-    try:
-        async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
-            async with Client.connect(base) as first:
-                token = (await first.recv())["duplexq"]["resume_token"]
-                for event in text_turn("one"):
-                    await first.send(event)
-                await until_completed(first)
-                for event in text_turn("the second turn streams in chunks"):
-                    await first.send(event)
-                await first.until("response.output_text.delta")
-            # The connection dropped mid-response; the client resumes elsewhere.
-            seen = first.seen
-            last = max(e["duplexq"]["seq"] for e in seen)
-            other_base = await _wait_http(port)
-            async with Client.connect(other_base) as second:
-                await second.send(
-                    {"type": "duplexq.session.resume", "resume_token": token,
-                     "last_received_seq": last}
-                )  # fmt: skip
-                assert (await second.recv())["type"] == "duplexq.session.resumed"
-                rest = await until_completed(second)
-                for event in text_turn("three"):
-                    await second.send(event)
-                rest += await until_completed(second)
-    finally:
-        other.terminate()
-        other.wait(10)
+    async with (
+        coordinator_process(settings, pipeline, tmp_path) as other_base,
+        serving(settings, pipeline) as base,
+        running_worker(settings, pipeline, "echo"),
+    ):
+        async with Client.connect(base) as first:
+            token = (await first.recv())["duplexq"]["resume_token"]
+            for event in text_turn("one"):
+                await first.send(event)
+            await until_completed(first)
+            for event in text_turn("the second turn streams in chunks"):
+                await first.send(event)
+            await first.until("response.output_text.delta")
+        # The connection dropped mid-response; the client resumes elsewhere.
+        seen = first.seen
+        last = max(e["duplexq"]["seq"] for e in seen)
+        async with Client.connect(other_base) as second:
+            await second.send(
+                {"type": "duplexq.session.resume", "resume_token": token,
+                 "last_received_seq": last}
+            )  # fmt: skip
+            assert (await second.recv())["type"] == "duplexq.session.resumed"
+            rest = await until_completed(second)
+            for event in text_turn("three"):
+                await second.send(event)
+            rest += await until_completed(second)
     events = seen + rest
     seqs = [e["duplexq"]["seq"] for e in events]
     assert seqs == sorted(set(seqs)), "an event was repeated or reordered"
@@ -248,18 +238,6 @@ async def test_resume_on_another_coordinator_process(settings, tmp_path):
         if e["type"] == "response.done" and e["response"]["status"] == "completed"
     ]
     assert len(set(completed)) == len(completed) == 3
-
-
-async def _wait_http(port: int) -> str:
-    async with asyncio.timeout(20):
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                await writer.wait_closed()
-                return f"ws://127.0.0.1:{port}"
-            except OSError:
-                await asyncio.sleep(0.1)
 
 
 async def test_resume_with_a_wrong_token_is_refused(settings):
