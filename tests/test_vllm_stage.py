@@ -281,11 +281,15 @@ async def test_a_text_turn_streams_tokens_then_done(engine, settings):
                 sid: [o for o in outputs(got) if o.fence.session_id == sid] for sid in ("s1", "s2")
             }
             first = by_session["s1"]
-            # Twelve deltas, flushed one by one, then one done.
-            assert [o.kind for o in first] == [OutputKind.TEXT_DELTA] * 12 + [OutputKind.DONE]
+            # Deltas, then one done: twelve tokens in all. Each step is flushed as it
+            # comes, but vLLM merges the steps a busy consumer has not taken yet, so on
+            # a loaded machine a delta may carry more than one token.
+            kinds = [o.kind for o in first]
+            assert kinds == [OutputKind.TEXT_DELTA] * (len(first) - 1) + [OutputKind.DONE]
             deltas, done = first[:-1], first[-1]
-            assert all(len(o.token_ids) == 1 and o.text for o in deltas)
-            assert [o.seq for o in first] == list(range(1, 14))
+            assert deltas and all(o.token_ids and o.text for o in deltas)
+            assert sum(len(o.token_ids) for o in deltas) == 12
+            assert [o.seq for o in first] == list(range(1, len(first) + 1))
             assert all(o.source_seq == 3 for o in first)
             request_id = done.meta["request_id"]
             assert {o.meta["request_id"] for o in deltas} == {request_id}
