@@ -27,29 +27,14 @@ from PIL import Image, UnidentifiedImageError
 
 from workers.adapters.mage_vl_types import VisualWindow
 from workers.backends.base import BackendError
-from workers.backends.vllm_options import VllmOptions
+from workers.backends.vllm_options import MultimodalVllmOptions
 
 MEDIA_ENGINE_KEYS = frozenset({"trust_remote_code", "limit_mm_per_prompt"})
 """Engine options a ``mage_vl`` stage has beyond the ``vllm`` stage's."""
 
 
-class MageVLEngineOptions(VllmOptions):
+class MageVLEngineOptions(MultimodalVllmOptions):
     """The ``vllm`` stage's engine options plus what a vision-language checkpoint needs."""
-
-    trust_remote_code: bool = False
-    """Let vLLM run the checkpoint's own config and processor code (Mage-VL, MiniCPM-V
-    and other checkpoints that transformers does not ship need it)."""
-    limit_mm_per_prompt: dict[str, int] | None = None
-    """vLLM's per-prompt item limits by modality, e.g. ``{image = 16}``: a prompt holds the
-    frames of every window it describes, so the limit must cover them."""
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        kwargs = super().engine_kwargs()
-        if self.trust_remote_code:
-            kwargs["trust_remote_code"] = True
-        if self.limit_mm_per_prompt is not None:
-            kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
-        return kwargs
 
 
 def with_placeholders(

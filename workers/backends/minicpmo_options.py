@@ -23,7 +23,7 @@ from typing import Any, Self
 
 from pydantic import Field, ValidationError, model_validator
 
-from workers.backends.vllm_options import VllmOptions
+from workers.backends.vllm_options import MultimodalVllmOptions
 from workers.extensions.minicpmo import (
     DEFAULT_CONTEXT_RESERVE,
     STAGE_MAX_TOKENS_KEY,
@@ -38,17 +38,12 @@ RESERVED_SAMPLING_FIELDS = frozenset({"n", "output_kind", "detokenize"})
 """Set by the stage itself: one streamed, detokenized completion per unit."""
 
 
-class MiniCPMOOptions(VllmOptions):
+class MiniCPMOOptions(MultimodalVllmOptions):
     """What a ``minicpmo`` stage's ``options`` table may hold."""
 
     max_tokens: int = Field(8, ge=1)
     """Most tokens the model generates for one unit (stage-0 default; a
     ``duplex_stage_max_tokens`` entry for stage 0 wins)."""
-    trust_remote_code: bool = False
-    """Let vLLM run the checkpoint's own config/processor code (MiniCPM-o needs it)."""
-    limit_mm_per_prompt: dict[str, int] | None = None
-    """vLLM's per-prompt item limits by modality, e.g. ``{audio = 64, image = 16}``; a
-    duplex prompt holds every unit of the session, so the limits must cover them."""
     send_media: bool | None = None
     """Whether requests carry each unit's frames and audio as ``multi_modal_data``;
     unset: when vLLM serves the model as multimodal (a text model takes placeholders
@@ -107,14 +102,6 @@ class MiniCPMOOptions(VllmOptions):
         if self.history_max_tokens is not None:
             return min(self.history_max_tokens, room)
         return room
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        kwargs = super().engine_kwargs()
-        if self.trust_remote_code:
-            kwargs["trust_remote_code"] = True
-        if self.limit_mm_per_prompt is not None:
-            kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
-        return kwargs
 
 
 def parse_minicpmo_options(stage: str, options: Mapping[str, Any]) -> MiniCPMOOptions:

@@ -99,6 +99,26 @@ class VllmOptions(BaseModel):
         return kwargs
 
 
+class MultimodalVllmOptions(VllmOptions):
+    """``VllmOptions`` plus what a multimodal checkpoint (Mage-VL, MiniCPM-o, ...) may
+    need from the engine."""
+
+    trust_remote_code: bool = False
+    """Let vLLM run the checkpoint's own config and processor code (MiniCPM-o, Mage-VL,
+    MiniCPM-V and other checkpoints that transformers does not ship need it)."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """vLLM's per-prompt item limits by modality, e.g. ``{audio = 64, image = 16}``: a
+    prompt holds every frame or unit it describes, so the limits must cover them."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs = super().engine_kwargs()
+        if self.trust_remote_code:
+            kwargs["trust_remote_code"] = True
+        if self.limit_mm_per_prompt is not None:
+            kwargs["limit_mm_per_prompt"] = dict(self.limit_mm_per_prompt)
+        return kwargs
+
+
 def parse_options(stage: str, options: Mapping[str, Any]) -> VllmOptions:
     """Validate a stage's options; raises ValueError naming the stage and each bad field."""
     try:
