@@ -31,9 +31,11 @@ from typing import Any
 import pytest
 import yaml
 
+from chaos.cluster import cluster_port
 from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer, free_port
 from tests.test_compose import (
+    CLUSTER_ENV,
     ROOT,
     Config,
     compose_config,
@@ -43,11 +45,6 @@ from tests.test_compose import (
 )
 
 PROFILES = ("echo", "gpu", "cluster", "metrics")
-CLUSTER_ENV = {
-    "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
-    "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
-}
-"""The variables docs/deploy.md sets for the cluster profile."""
 PROFILE_ENV: dict[str | None, dict[str, str]] = {"cluster": CLUSTER_ENV}
 ONE_SHOT = {"redis-cluster"}
 """Services that do their job and exit 0: the cluster profile's joiner."""
@@ -56,13 +53,6 @@ REDIS_NODES = [f"redis-node-{i}" for i in range(6)]
 DUPLEXQ_COMMANDS = ("coordinator", "control", "worker")
 SCRAPE_JOBS = ("duplexq-coordinator", "duplexq-workers")
 """The job names `duplexq up` writes to <workdir>/prometheus.yml (coordinator/local_stack.py)."""
-
-
-@pytest.fixture(scope="module")
-def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("compose-file") / "empty.env"
-    path.write_text("")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +330,7 @@ def test_redis_is_healthy_only_once_the_data_plane_answers(
     assert run_healthcheck(script, tmp_path, plain, f"redis+cluster://u:p@127.0.0.1:{one}/0") == 0
     # A cluster node with no slots yet (the joiner has not run): not healthy.
     lone = RedisServer(tmp_path / "lone", extra=["--cluster-enabled", "yes"])
+    lone.port = cluster_port()  # its cluster bus port (port + 10000) must exist and be free
     lone.start()
     try:
         url = f"redis+cluster://127.0.0.1:{lone.port}"
