@@ -52,3 +52,12 @@ def redis_url(request: pytest.FixtureRequest) -> str:
     if request.param == "cluster":
         return str(request.getfixturevalue("redis_cluster").url)
     return str(request.getfixturevalue("redis_server").url)
+
+
+@pytest.fixture(scope="session")
+def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty env file for ``docker-compose config``: the compose tests resolve the
+    file with the defaults, not with whatever .env the checkout holds."""
+    path = tmp_path_factory.mktemp("compose") / "empty.env"
+    path.write_text("")
+    return path

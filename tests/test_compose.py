@@ -55,6 +55,13 @@ def compose_command() -> list[str]:
     )
 
 
+CLUSTER_ENV = {
+    "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
+    "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
+}
+"""The variables docs/deploy.md sets for the cluster profile."""
+
+
 def compose_config(env_file: Path, *profiles: str, env: Mapping[str, str] | None = None) -> Config:
     """The resolved compose file, with only ``env`` set of duplexq's and Compose's variables.
 
@@ -119,13 +126,6 @@ def volume_mounts(service: Config) -> dict[str, str]:
 def pipeline_argument(service: Config) -> str:
     command = service["command"]
     return str(command[command.index("--pipeline") + 1])
-
-
-@pytest.fixture(scope="module")
-def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("compose") / "empty.env"
-    path.write_text("")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -307,11 +307,7 @@ def test_dockerfile_flavours_and_entrypoint() -> None:
 def test_the_cluster_profile_runs_six_persisting_nodes_and_joins_them_once(
     env_file: Path,
 ) -> None:
-    cluster_env = {
-        "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
-        "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
-    }
-    config = compose_config(env_file, "cluster", env=cluster_env)
+    config = compose_config(env_file, "cluster", env=CLUSTER_ENV)
     services = config["services"]
     nodes = [f"redis-node-{i}" for i in range(6)]
     persistence = " ".join(REDIS_PERSISTENCE)
@@ -330,8 +326,8 @@ def test_the_cluster_profile_runs_six_persisting_nodes_and_joins_them_once(
     # The data plane goes to the cluster, arq's queue to the plain Redis.
     for name in [*DUPLEXQ_SERVICES, *pipeline_stages(DEFAULT_PIPELINE)]:
         env = services[name]["environment"]
-        assert env["DUPLEXQ_REDIS_URL"] == cluster_env["DUPLEXQ_REDIS_URL"], name
-        assert env["DUPLEXQ_CONTROL_REDIS_URL"] == cluster_env["DUPLEXQ_CONTROL_REDIS_URL"]
+        assert env["DUPLEXQ_REDIS_URL"] == CLUSTER_ENV["DUPLEXQ_REDIS_URL"], name
+        assert env["DUPLEXQ_CONTROL_REDIS_URL"] == CLUSTER_ENV["DUPLEXQ_CONTROL_REDIS_URL"]
     # Without the profile, nothing of the cluster runs.
     default = compose_config(env_file)
     for name in [*nodes, "redis-cluster"]:
