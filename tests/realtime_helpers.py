@@ -110,6 +110,12 @@ class Client:
         self.seen.append(event)
         return event
 
+    async def resume(self, token: str, last_received_seq: int) -> dict[str, Any]:
+        """Ask to resume a session on this connection; the server's first answer."""
+        await self.send({"type": "duplexq.session.resume", "resume_token": token,
+                         "last_received_seq": last_received_seq})  # fmt: skip
+        return await self.recv()
+
     async def until(self, event_type: str, within_s: float = 15) -> list[dict[str, Any]]:
         """Events received up to and including the first of ``event_type``."""
         got: list[dict[str, Any]] = []

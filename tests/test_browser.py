@@ -23,6 +23,7 @@ import contextlib
 import json
 import re
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,14 @@ def settings(redis_server, key_prefix):
     return fast_settings(
         redis_server.url, key_prefix, api_keys=("k1",), lease_ttl_ms=5000, heartbeat_ms=500
     )
+
+
+@pytest.fixture
+def wav(tmp_path) -> Path:
+    """The microphone's input for pages that do not speak: a tone."""
+    path = tmp_path / "tone.wav"
+    write_tone_wav(path, hz=TONE_HZ)
+    return path
 
 
 def http(base: str) -> str:
@@ -135,11 +144,9 @@ def dominant_hz(samples: np.ndarray, rate: int) -> float:
     return float(np.argmax(spectrum) * rate / len(samples))
 
 
-async def test_echo_page_captures_plays_and_interrupts(settings, tmp_path):
+async def test_echo_page_captures_plays_and_interrupts(settings, wav):
     pipeline = streaming_echo()
     backend = RecordingEcho(pipeline.stages[0].options)
-    wav = tmp_path / "tone.wav"
-    write_tone_wav(wav, hz=TONE_HZ)
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo", backend=backend),
@@ -314,12 +321,10 @@ async def _panes(demo: DemoPage) -> dict[str, Any]:
     return panes
 
 
-async def test_the_page_offers_a_tool_runs_the_call_and_shows_it(settings, tmp_path):
+async def test_the_page_offers_a_tool_runs_the_call_and_shows_it(settings, wav):
     """The echo thinker calls the session's first tool for a ``call:`` message (and
     echoes the microphone's audio, muted here, as answers of its own)."""
     pipeline = streaming_echo()
-    wav = tmp_path / "tone.wav"
-    write_tone_wav(wav, hz=TONE_HZ)
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo"),
@@ -373,11 +378,9 @@ async def _notice(demo: DemoPage, element: str) -> dict[str, Any]:
     return shown
 
 
-async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(settings, tmp_path):
+async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(settings, wav):
     pipeline = streaming_echo()
     backend = LoadingEcho(pipeline.stages[0].options, "echo-model", fallback=False)
-    wav = tmp_path / "tone.wav"
-    write_tone_wav(wav, hz=TONE_HZ)
     async with serving(settings, pipeline) as base, demo_page(http(base), wav) as demo:
         # No worker yet: the page names the stage as loading.
         await demo.wait_for("s.loading && s.loading.includes('echo')")
@@ -408,12 +411,10 @@ async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(sett
     assert done["errors"] == []
 
 
-async def test_the_page_announces_a_stage_serving_the_random_weight_fallback(settings, tmp_path):
+async def test_the_page_announces_a_stage_serving_the_random_weight_fallback(settings, wav):
     pipeline = streaming_echo()
     backend = LoadingEcho(pipeline.stages[0].options, "package:smollm2", fallback=True)
     backend.gate.set()
-    wav = tmp_path / "tone.wav"
-    write_tone_wav(wav, hz=TONE_HZ)
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo", backend=backend),

@@ -256,11 +256,7 @@ async def test_a_client_that_stops_reading_is_disconnected_and_resumes_losing_no
         # The client resumes (on a coordinator whose queues hold its backlog).
         last = max(e["duplexq"]["seq"] for e in client.seen)
         async with Client.connect(other) as resumed:
-            await resumed.send(
-                {"type": "duplexq.session.resume", "resume_token": token,
-                 "last_received_seq": last}
-            )  # fmt: skip
-            assert (await resumed.recv())["type"] == "duplexq.session.resumed"
+            assert (await resumed.resume(token, last))["type"] == "duplexq.session.resumed"
             # Inputs the closed connection had not read were never accepted; one more
             # turn marks the end of what was.
             for event in text_turn("<end>"):
@@ -299,11 +295,7 @@ async def test_errors_beyond_the_journaling_allowance_go_to_the_socket_only(sett
             assert seqs == sorted(seqs)  # a socket-only error sits after what was sent
         # A resume replays the journal: only the first three errors are in it.
         async with Client.connect(base) as resumed:
-            await resumed.send(
-                {"type": "duplexq.session.resume", "resume_token": token,
-                 "last_received_seq": 0}
-            )  # fmt: skip
-            assert (await resumed.recv())["type"] == "duplexq.session.resumed"
+            assert (await resumed.resume(token, 0))["type"] == "duplexq.session.resumed"
             for event in text_turn("after errors"):
                 await resumed.send(event)
             events = await until_completed(resumed)

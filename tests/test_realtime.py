@@ -219,11 +219,7 @@ async def test_resume_on_another_coordinator_process(settings, tmp_path):
         seen = first.seen
         last = max(e["duplexq"]["seq"] for e in seen)
         async with Client.connect(other_base) as second:
-            await second.send(
-                {"type": "duplexq.session.resume", "resume_token": token,
-                 "last_received_seq": last}
-            )  # fmt: skip
-            assert (await second.recv())["type"] == "duplexq.session.resumed"
+            assert (await second.resume(token, last))["type"] == "duplexq.session.resumed"
             rest = await until_completed(second)
             for event in text_turn("three"):
                 await second.send(event)
