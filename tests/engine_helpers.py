@@ -10,6 +10,7 @@ Importing this module also keeps the engine offline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -101,6 +102,63 @@ def engine_fixture(make: Callable[[str], Any], *, record: bool = False) -> Any:
         await engine.shutdown()
 
     return engine
+
+
+class Hold:
+    """Freezes the engine once a request it streams has produced ``tokens`` tokens.
+
+    vLLM's pause in "keep" mode stops every request where it stands, still tracked
+    and abortable. A test that acts on a request "mid-generation" holds the engine
+    first: however slowly the rest of the pipeline runs, the request cannot finish
+    before the test has acted on it.
+    """
+
+    def __init__(self, llm: Any, tokens: int) -> None:
+        self.llm = llm
+        self.tokens = tokens
+        self.held = asyncio.Event()
+        """Set once the engine has paused."""
+        self._pausing: asyncio.Task[None] | None = None
+
+    def wrap(self, generate: Any) -> Any:
+        async def held_generate(prompt, params, request_id, *args, **kwargs):
+            produced = 0
+            async for output in generate(prompt, params, request_id, *args, **kwargs):
+                produced += len(output.outputs[0].token_ids)  # the stages stream deltas
+                if self._pausing is None and produced >= self.tokens:
+                    self._pausing = asyncio.get_running_loop().create_task(self._pause())
+                yield output
+
+        return held_generate
+
+    async def _pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        self.held.set()
+
+    async def wait(self, timeout: float = 60.0) -> None:
+        """Until the engine has paused."""
+        async with asyncio.timeout(timeout):
+            await self.held.wait()
+
+
+@contextlib.asynccontextmanager
+async def held_after(engine: Any, tokens: int) -> AsyncIterator[Hold]:
+    """Within the block, the engine pauses once a request has produced ``tokens``
+    tokens (see ``Hold``); it resumes when the block ends."""
+    llm = await engine.ready()
+    hold = Hold(llm, tokens)
+    own = vars(llm).get("generate")  # a recorder's wrapper, or None: the class's method
+    llm.generate = hold.wrap(llm.generate)
+    try:
+        yield hold
+    finally:
+        if own is None:
+            del llm.generate
+        else:
+            llm.generate = own
+        if hold._pausing is not None:
+            await hold._pausing
+            await llm.resume_generation()
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:

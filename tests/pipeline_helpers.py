@@ -76,6 +76,12 @@ def outputs_of(
     ]
 
 
+def delta_tokens(deliveries: list[Delivery]) -> int:
+    """How many tokens the text deltas among ``deliveries`` carry (a delta may carry
+    several: vLLM merges the steps a busy consumer has not taken yet)."""
+    return sum(len(o.token_ids) for o in outputs_of(deliveries, OutputKind.TEXT_DELTA))
+
+
 async def read_until(
     coordinator: Coordinator, done: Callable[[list[Delivery]], bool], *, timeout: float = 30.0
 ) -> list[Delivery]:

@@ -33,8 +33,14 @@ from schemas.events import (
     UnitPayload,
 )
 from schemas.fence import Fence
-from tests.engine_helpers import TINY_ENGINE_OPTIONS, engine_fixture, engine_test_marks, eventually
-from tests.pipeline_helpers import fast_settings, read_until, running_worker
+from tests.engine_helpers import (
+    TINY_ENGINE_OPTIONS,
+    engine_fixture,
+    engine_test_marks,
+    eventually,
+    held_after,
+)
+from tests.pipeline_helpers import delta_tokens, fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
 from workers.backends.minicpmo_options import parse_minicpmo_options
@@ -392,15 +398,19 @@ async def test_c_barge_in_aborts_the_running_request(engine, settings, token):
     try:
         async with running_worker(settings, pipeline, STAGE, backend=backend):
             await coordinator.open("s1")
-            await coordinator.append("s1", InputMode.APPEND_UNIT, _unit(1).payload)
-            before = await read_until(coordinator, count(OutputKind.TEXT_DELTA, 3))
-            request_id = outputs(before)[0].meta["request_id"]
-            assert request_id in engine.live_request_ids()  # mid-generation
-            first_prompt = backend.last_prompts["s1"]
+            # The engine stops where it stands after a few tokens, so the request is
+            # certainly still running when the cancel reaches the worker.
+            async with held_after(engine, tokens=5) as hold:
+                await coordinator.append("s1", InputMode.APPEND_UNIT, _unit(1).payload)
+                await hold.wait()
+                before = await read_until(coordinator, lambda d: delta_tokens(d) >= 3)
+                request_id = outputs(before)[0].meta["request_id"]
+                assert request_id in engine.live_request_ids()  # mid-generation
+                first_prompt = backend.last_prompts["s1"]
 
-            result = await coordinator.cancel("s1", reason="barge_in")
-            assert result.cancelled.epoch == 0 and result.fence.epoch == 1
-            await eventually(lambda: request_id not in engine.live_request_ids())
+                result = await coordinator.cancel("s1", reason="barge_in")
+                assert result.cancelled.epoch == 0 and result.fence.epoch == 1
+                await eventually(lambda: request_id not in engine.live_request_ids())
             record = backend.records[request_id]
             await eventually(lambda: record.outcome != "running")
             assert record.outcome == "released" and 3 <= record.tokens < max_tokens

@@ -39,9 +39,10 @@ from tests.engine_helpers import (
     engine_test_marks,
     eventually,
     greedy_steps,
+    held_after,
     model_dir_fixture,
 )
-from tests.pipeline_helpers import fast_settings, read_until, running_worker
+from tests.pipeline_helpers import delta_tokens, fast_settings, read_until, running_worker
 from tests.pipeline_helpers import outputs_of as outputs
 from tests.tiny_model import build_tiny_model
 from workers.backends.vllm_history import (
@@ -328,16 +329,20 @@ async def test_b_barge_in_aborts_the_running_request(engine, settings):
     try:
         async with running_worker(settings, pipeline, STAGE, backend=backend):
             await coordinator.open("s1")
-            await coordinator.append("s1", "append_text", TextPayload("tell me a story"))
-            await coordinator.commit("s1")
-            before = await read_until(coordinator, lambda d: len(outputs(d)) >= 3)
-            request_id = outputs(before)[0].meta["request_id"]
-            assert request_id in engine.live_request_ids()  # mid-generation
+            # The engine stops where it stands after a few tokens, so the request is
+            # certainly still running when the cancel reaches the worker.
+            async with held_after(engine, tokens=4) as hold:
+                await coordinator.append("s1", "append_text", TextPayload("tell me a story"))
+                await coordinator.commit("s1")
+                await hold.wait()
+                before = await read_until(coordinator, lambda d: delta_tokens(d) >= 3)
+                request_id = outputs(before)[0].meta["request_id"]
+                assert request_id in engine.live_request_ids()  # mid-generation
 
-            result = await coordinator.cancel("s1", reason="barge_in")
-            assert result.cancelled.epoch == 0 and result.fence.epoch == 1
-            # The worker applies the cancel: the request leaves the engine, aborted.
-            await eventually(lambda: request_id not in engine.live_request_ids())
+                result = await coordinator.cancel("s1", reason="barge_in")
+                assert result.cancelled.epoch == 0 and result.fence.epoch == 1
+                # The worker applies the cancel: the request leaves the engine, aborted.
+                await eventually(lambda: request_id not in engine.live_request_ids())
             record = backend.records[request_id]
             await eventually(lambda: record.outcome != "running")
             assert record.outcome == "released"
@@ -372,9 +377,7 @@ async def test_b_barge_in_aborts_the_running_request(engine, settings):
 
 @engine_test
 async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engine, settings):
-    # Long enough that the engine is still generating when the first delta has gone
-    # through Redis to the coordinator, on a loaded machine too (200 tokens once ran out
-    # first); short enough that both exchanges fit max_model_len (1024).
+    # Short enough that both exchanges fit max_model_len (1024).
     max_tokens = 400
     pipeline = chat_pipeline()
     coordinator = Coordinator(settings, pipeline)
@@ -387,24 +390,25 @@ async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engi
         await coordinator.commit("s1")
         turn1 = await read_until(coordinator, has_done)
         answer1 = "".join(o.text for o in outputs(turn1, OutputKind.TEXT_DELTA))
-        await coordinator.append("s1", "append_text", TextPayload("what next?"))
-        await coordinator.commit("s1")
-        # The first delta of the second answer: the engine is still generating (200
-        # tokens take it over a second; waiting for more deltas than one let it finish
-        # first on a loaded machine, since it runs ahead of the worker publishing them).
-        turn2 = await read_until(coordinator, lambda d: len(outputs(d)) >= 1)
-        doomed = outputs(turn2)[0].meta["request_id"]
-        assert doomed in engine.live_request_ids()
+        # The engine stops where it stands after a few tokens of the second answer,
+        # so the request is certainly still running when the worker dies.
+        async with held_after(engine, tokens=4) as hold:
+            await coordinator.append("s1", "append_text", TextPayload("what next?"))
+            await coordinator.commit("s1")
+            await hold.wait()
+            turn2 = await read_until(coordinator, lambda d: len(outputs(d)) >= 1)
+            doomed = outputs(turn2)[0].meta["request_id"]
+            assert doomed in engine.live_request_ids()
 
-        # The worker dies: its work stops at once and it hands nothing back, so
-        # the session moves only when its lease expires.
-        async def no_hand_back(*args, **kwargs):
-            return None
+            # The worker dies: its work stops at once and it hands nothing back, so
+            # the session moves only when its lease expires.
+            async def no_hand_back(*args, **kwargs):
+                return None
 
-        first.ownership.release = no_hand_back
-        first.request_stop()
-        await asyncio.wait_for(first_task, 20)
-        await eventually(lambda: doomed not in engine.live_request_ids())
+            first.ownership.release = no_hand_back
+            first.request_stop()
+            await asyncio.wait_for(first_task, 20)
+            await eventually(lambda: doomed not in engine.live_request_ids())
         assert first_backend.records[doomed].outcome == "cancelled"
 
         second_backend = backend_for(engine, max_tokens=max_tokens)
