@@ -105,7 +105,7 @@ def engine_fixture(make: Callable[[str], Any], *, record: bool = False) -> Any:
 
 
 class Hold:
-    """Freezes the engine once a request it streams has produced ``tokens`` tokens.
+    """Freezes the engine once ``requests`` requests have each produced ``tokens`` tokens.
 
     vLLM's pause in "keep" mode stops every request where it stands, still tracked
     and abortable. A test that acts on a request "mid-generation" holds the engine
@@ -113,19 +113,23 @@ class Hold:
     before the test has acted on it.
     """
 
-    def __init__(self, llm: Any, tokens: int) -> None:
+    def __init__(self, llm: Any, tokens: int, requests: int) -> None:
         self.llm = llm
         self.tokens = tokens
+        self.requests = requests
         self.held = asyncio.Event()
         """Set once the engine has paused."""
+        self._produced: dict[str, int] = {}
         self._pausing: asyncio.Task[None] | None = None
 
     def wrap(self, generate: Any) -> Any:
         async def held_generate(prompt, params, request_id, *args, **kwargs):
-            produced = 0
             async for output in generate(prompt, params, request_id, *args, **kwargs):
-                produced += len(output.outputs[0].token_ids)  # the stages stream deltas
-                if self._pausing is None and produced >= self.tokens:
+                # The stages stream deltas: each output carries its new tokens only.
+                produced = self._produced.get(request_id, 0) + len(output.outputs[0].token_ids)
+                self._produced[request_id] = produced
+                enough = sum(n >= self.tokens for n in self._produced.values())
+                if self._pausing is None and enough >= self.requests:
                     self._pausing = asyncio.get_running_loop().create_task(self._pause())
                 yield output
 
@@ -142,11 +146,11 @@ class Hold:
 
 
 @contextlib.asynccontextmanager
-async def held_after(engine: Any, tokens: int) -> AsyncIterator[Hold]:
-    """Within the block, the engine pauses once a request has produced ``tokens``
-    tokens (see ``Hold``); it resumes when the block ends."""
+async def held_after(engine: Any, tokens: int, requests: int = 1) -> AsyncIterator[Hold]:
+    """Within the block, the engine pauses once ``requests`` requests have each
+    produced ``tokens`` tokens (see ``Hold``); it resumes when the block ends."""
     llm = await engine.ready()
-    hold = Hold(llm, tokens)
+    hold = Hold(llm, tokens, requests)
     own = vars(llm).get("generate")  # a recorder's wrapper, or None: the class's method
     llm.generate = hold.wrap(llm.generate)
     try:

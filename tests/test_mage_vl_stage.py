@@ -40,6 +40,7 @@ from tests.engine_helpers import (
     engine_fixture,
     engine_test_marks,
     greedy_steps,
+    held_after,
     model_dir_fixture,
 )
 from tests.engine_helpers import eventually as _eventually
@@ -544,8 +545,6 @@ async def test_d_barge_in_cancels_gate_calls_and_aborts_their_requests(engine, s
     try:
         async with running_worker(settings, pipeline, STAGE, backend=backend):
             await coordinator.open("b")
-            for pts in (0, 100, 200):
-                await coordinator.append("b", "append_video_frame", frame(pts))
 
             def live_gates():
                 return [r.request_id for r in records(backend, "b", "gate")
@@ -555,17 +554,24 @@ async def test_d_barge_in_cancels_gate_calls_and_aborts_their_requests(engine, s
                 live = live_gates()
                 return len(live) == 2 and all(backend.records[r].tokens >= 3 for r in live)
 
-            await eventually(generating)
-            doomed = live_gates()
-            result = await coordinator.cancel("b", reason="barge_in")
-            assert result.fence.epoch == 1
-            # The worker applies the cancel: the gate tasks end, their requests leave
-            # the engine (long before 300 tokens each).
-            await eventually(
-                lambda: (
-                    not engine.live_request_ids() and backend.adapter.gate_tasks_in_flight("b") == 0
+            # The engine stops where it stands once both gate calls have a few tokens,
+            # so they are certainly still running when the cancel reaches the worker.
+            async with held_after(engine, tokens=4, requests=2) as hold:
+                for pts in (0, 100, 200):
+                    await coordinator.append("b", "append_video_frame", frame(pts))
+                await hold.wait()
+                await eventually(generating)
+                doomed = live_gates()
+                result = await coordinator.cancel("b", reason="barge_in")
+                assert result.fence.epoch == 1
+                # The worker applies the cancel: the gate tasks end, their requests
+                # leave the engine (long before 300 tokens each).
+                await eventually(
+                    lambda: (
+                        not engine.live_request_ids()
+                        and backend.adapter.gate_tasks_in_flight("b") == 0
+                    )
                 )
-            )
             assert list(backend.released) == [result.cancelled]
             for request_id in doomed:
                 record = backend.records[request_id]
