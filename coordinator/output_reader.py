@@ -26,6 +26,7 @@ from typing import NamedTuple
 from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
 from dataplane.metrics import DROPPED_STALE
+from dataplane.pacing import Pacer
 from dataplane.sessions import FenceView
 from schemas.errors import WireDecodeError
 from schemas.events import ControlEvent, OutputEvent, decode_control, decode_output
@@ -98,6 +99,7 @@ class OutputReader:
         self._follows: dict[str, JournalFollower] = {}
         self._retired: Counter[str] = Counter()
         self._dirty = Dirty(sweep_ms)
+        self._pacer = Pacer(bus.linger_ms)
         self._closing = False
         self._bells = BellReader(
             bus, CLIENT, self._ring, block_ms=block_ms, running=lambda: not self._closing
@@ -161,6 +163,8 @@ class OutputReader:
         if self._bell_task is None or self._bell_task.done():
             self._bell_task = asyncio.create_task(self._bells.run(), name="journal bells")
             await self._bells.started.wait()
+        if self._dirty.pending:
+            await self._pacer.pace()  # under load, what comes meanwhile joins this read
         streams = self._marked()
         if not streams:
             await self._dirty.wait(self.block_ms if block_ms is None else block_ms)

@@ -24,7 +24,9 @@ class Coordinator:
     def __init__(self, settings: Settings, pipeline: PipelineConfig) -> None:
         self.settings = settings
         self.pipeline = pipeline
-        self.bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        self.bus = RedisBus(
+            settings.redis_url, Keys(settings.key_prefix), linger_ms=settings.linger_ms
+        )
         self.authority = SessionAuthority(self.bus, pipeline)
         self.reader = OutputReader(self.bus, block_ms=settings.block_ms, sweep_ms=settings.sweep_ms)
 

@@ -5,7 +5,9 @@ actors, makes many independent script calls at once. Sent one by one, each
 costs a round trip and most of the Python CPU of a command (the notes in
 ``docs/benchmarks.md``); pipelined, the cost per call falls several times.
 ``ScriptBatcher`` collects the calls issued during one turn of the event loop
-and sends them as one pipeline (no transaction) on the next turn.
+and sends them as one pipeline (no transaction) on the next turn; under load,
+a batch that would follow the previous one within the linger
+(``dataplane.pacing``) waits out the rest and carries what came meanwhile.
 
 Ordering. A producer makes its calls on one session one at a time (it waits
 for each reply), so two calls that must stay in order are never in the same
@@ -24,6 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError
+
+from dataplane.pacing import Pacer
 
 MAX_BATCH = 256
 """Most calls one pipeline carries; a turn with more sends several."""
@@ -52,8 +56,10 @@ def _settle(call: _Call, outcome: Any) -> None:
 class ScriptBatcher:
     """Coalesces concurrent script calls on one Redis into pipelines."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, linger_ms: float = 0.0) -> None:
         self.client = client
+        self._pacer = Pacer(linger_ms)
+        """A batch that would follow the previous one within the linger waits for it."""
         self._pending: list[_Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -61,11 +67,16 @@ class ScriptBatcher:
         """Run ``script``; its reply comes once the batch it joined is answered."""
         call = _Call(script, keys, args)
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            wait = self._pacer.due_in()
+            if wait > 0:
+                asyncio.get_running_loop().call_later(wait, self._flush)
+            else:
+                asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(call)
         return await call.future
 
     def _flush(self) -> None:
+        self._pacer.started()
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), MAX_BATCH):
             task = asyncio.create_task(self._send(pending[start : start + MAX_BATCH]))

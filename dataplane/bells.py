@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from dataplane.bus import RedisBus
+from dataplane.pacing import Pacer
 
 log = logging.getLogger("duplexq.bells")
 
@@ -71,7 +72,9 @@ class BellReader:
 
     async def _follow(self, bells: list[str], cursors: dict[str, str]) -> None:
         conn = self.bus.reader(self.block_ms)
+        pacer = Pacer(self.bus.linger_ms)  # rings that come meanwhile join the next read
         while self.running():
+            await pacer.pace()
             try:
                 entries = await self.bus.xread(
                     conn, {bell: cursors[bell] for bell in bells}, RING_BATCH, self.block_ms

@@ -121,8 +121,17 @@ def _client(url: str, **options: Any) -> aioredis.Redis:
 class RedisBus:
     """Redis connections, Lua scripts and stream operations for one deployment."""
 
-    def __init__(self, url: str, keys: Keys | None = None, *, command_timeout: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        keys: Keys | None = None,
+        *,
+        command_timeout: float = 5.0,
+        linger_ms: float = 0.0,
+    ):
         self.url = url
+        self.linger_ms = linger_ms
+        """The linger of this process's data-plane loops (``dataplane.pacing``)."""
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         """True on Redis Cluster: multi-key reads are split per slot."""
         self.keys = dataclasses.replace(keys or Keys(), cluster=self.cluster)
@@ -136,7 +145,7 @@ class RedisBus:
             health_check_interval=30,
         )
         self._readers: list[aioredis.Redis] = []
-        self._batcher = ScriptBatcher(self.client)
+        self._batcher = ScriptBatcher(self.client, linger_ms)
         """Script calls made in the same loop turn share one round trip."""
         self._replicated = ReplicatedRunner(self.client) if self.cluster else None
         """On a cluster, scripts are acknowledged once a replica has their writes."""

@@ -50,6 +50,7 @@ from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
 from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
+from dataplane.pacing import Pacer
 from dataplane.readiness import StageModel, announce, withdraw
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
@@ -102,7 +103,9 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{stage}"
         self.burst = burst
         self.capacity = self.stage_config.capacity or settings.worker_capacity
-        self.bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
+        self.bus = RedisBus(
+            settings.redis_url, Keys(settings.key_prefix), linger_ms=settings.linger_ms
+        )
         self.keys = self.bus.keys
         self.backend = backend or create_backend(self.stage_config)
         self.authority = SessionAuthority(self.bus, pipeline)
@@ -113,6 +116,7 @@ class Worker:
         self.state = WorkerState.STARTING
         self._actor_tasks: dict[str, asyncio.Task[None]] = {}
         self._data = Dirty(settings.sweep_ms)
+        self._data_pacer = Pacer(settings.linger_ms)
         self._control = Dirty(settings.sweep_ms)
         self._bells = BellReader(
             self.bus, stage, self._ring, block_ms=settings.block_ms,
@@ -459,6 +463,8 @@ class Worker:
                 self._control.mark(owners[stream].session_id)  # more to read
 
     async def _data_round(self) -> None:
+        if self._data.pending:
+            await self._data_pacer.pace()  # under load, what comes meanwhile joins this read
         if self._data.sweep_due():
             self._data.mark_all(self.actors)
         streams: dict[str, str] = {}
