@@ -36,6 +36,7 @@ from bench import (
     chart,
     failover,
     latency,
+    linger,
     primaries,
     raw,
     report,
@@ -46,7 +47,7 @@ from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.plan import FULL, QUICK, Plan
 
 SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-            "primaries")  # fmt: skip
+            "primaries", "linger")  # fmt: skip
 NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling", "primaries"}
 RESULTS = ROOT / "bench" / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -63,6 +64,7 @@ RUNNERS: dict[str, Section] = {
     "scaling": latency.run_scaling,
     "takein": takein.run,
     "primaries": primaries.run,
+    "linger": linger.run,
 }
 
 

@@ -61,16 +61,17 @@ def served(load: dict[str, Any]) -> bool:
 
 async def measure(
     server: PrivateRedis, log_dir: Path, name: str, workers: int, sessions: int,
-    seconds: float, warmup: float,
+    seconds: float, warmup: float, **overrides: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """One load point: ``sessions`` paced sessions on ``workers`` echo workers, right
     after its own raw round-trip reference (so both see the machine in the same state).
-    A point whose sessions could not all get an owner is returned as failed, not raised."""
+    A point whose sessions could not all get an owner is returned as failed, not raised.
+    ``overrides`` change the product's settings for this point only."""
     reference = (await round_trip(server, REFERENCE_SAMPLES, 50, log_dir))["round_trip"]
     server.flush()
     try:
         async with echo_rig(server, log_dir, name=name, workers=workers,
-                            sessions=sessions) as rig:  # fmt: skip
+                            sessions=sessions, **overrides) as rig:  # fmt: skip
             meter = rig.cpu_meter().start()
             result = await paced_load(
                 rig.coordinator, rig.collector, rig.session_ids, seconds=seconds, warmup=warmup

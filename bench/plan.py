@@ -47,6 +47,10 @@ class Plan:
     """Latency budget of the scaling curve: p99 added over the raw round trip."""
     takein_sessions: tuple[int, ...] = (100, 1000, 5000)
     """Waiting sessions one new worker takes in, per point."""
+    linger_sessions: tuple[int, ...] = (50, 100, 150)
+    """Paced session counts measured with the linger off and at its shipped value."""
+    linger_repeats: int = 2
+    """Times each setting is measured per session count, alternating with the other."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,4 +103,6 @@ QUICK = Plan(
     scaling_seconds=2.0,
     budget_ms=20.0,
     takein_sessions=(100, 1000),
+    linger_sessions=(50,),
+    linger_repeats=1,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import primaries, takein
+from bench import linger, primaries, takein
 from bench.mdformat import f, ms_pair, table, x
 from bench.report_sections import (
     GPU_RESULTS,
@@ -169,7 +169,10 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
                      "worker(s)", f(row["sessions_within_budget"]), "1 worker",
                      x(row["ratio_to_one_worker"])])  # fmt: skip
     return (
-        rows + takein.summary_rows(ok.get("takein")) + primaries.summary_rows(ok.get("primaries"))
+        rows
+        + takein.summary_rows(ok.get("takein"))
+        + primaries.summary_rows(ok.get("primaries"))
+        + linger.summary_rows(ok.get("linger"))
     )
 
 
@@ -190,7 +193,7 @@ def not_measured(results: dict[str, Any]) -> str:
         items.append("- vLLM on a GPU (section 8): no GPU machine was available; run "
                      "`bench/gpu.sh` on one.")  # fmt: skip
     names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-             "primaries")  # fmt: skip
+             "primaries", "linger")  # fmt: skip
     missing = [name for name in names if name not in sections]
     if missing:
         items.append(f"- Sections not run yet: {', '.join(missing)}.")
@@ -227,6 +230,7 @@ def render(results: dict[str, Any], chart: str) -> str:
         gpu_section(),
         takein.section(sections.get("takein")),
         primaries.section(sections.get("primaries")),
+        linger.section(sections.get("linger")),
         not_measured(results),
         timings(results),
     ]
