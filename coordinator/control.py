@@ -70,7 +70,7 @@ from coordinator.replay import LogProgress, replay_greedily, replay_session
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
-from schemas.keys import Keys
+from schemas.keys import Keys, worker_bell
 
 log = logging.getLogger("duplexq.control")
 
@@ -146,7 +146,8 @@ async def _live_workers(state: ControlState, stage: str, now: int) -> int:
 
 
 async def _forget_dead_workers(state: ControlState, stage: str, now: int) -> int:
-    """Forget ``stage``'s workers silent for ``FORGET_WORKERS_AFTER_MS``; how many."""
+    """Forget ``stage``'s workers silent for ``FORGET_WORKERS_AFTER_MS`` (their records
+    and their bells); how many."""
     workers, models = state.keys.workers(stage), state.keys.stage_models(stage)
     dead = await state.bus.client.zrangebyscore(
         workers, "-inf", f"({now - FORGET_WORKERS_AFTER_MS}"
@@ -154,6 +155,9 @@ async def _forget_dead_workers(state: ControlState, stage: str, now: int) -> int
     if dead:
         await state.bus.client.zrem(workers, *dead)
         await cast(Awaitable[int], state.bus.client.hdel(models, *dead))
+        for worker in dead:
+            name = worker.decode() if isinstance(worker, bytes) else str(worker)
+            await state.bus.client.delete(*state.bus.keys.bells(worker_bell(stage, name)))
     return len(dead)
 
 

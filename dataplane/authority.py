@@ -99,6 +99,11 @@ class SessionAuthority:
         async with lock:
             return await self.bus.run(script, keys, [*args, self.producer, next(self._numbers)])
 
+    def _reader_keys(self, sk: Any) -> list[str]:
+        """(bell, lease) of each stage reading the session's input: an append rings the
+        bell of the worker holding the lease."""
+        return [key for name in self._input_readers for key in (sk.bell(name), sk.lease(name))]
+
     def script_keys(self, session_id: str) -> list[str]:
         """KEYS for the lifecycle scripts: meta in ctl out prog client_bell, then
         (stage out, lease, bell)*."""
@@ -176,7 +181,7 @@ class SessionAuthority:
         reply = await self._call(
             self.bus.append_script,
             session_id,
-            [sk.meta, sk.input, *(sk.bell(name) for name in self._input_readers)],
+            [sk.meta, sk.input, *self._reader_keys(sk)],
             [session_id, checked.value, tail, *given],
         )
         if reply[0] != "ok":

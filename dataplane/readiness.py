@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from dataplane.bus import RedisBus
+from schemas.keys import worker_bell
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +85,11 @@ async def announce(bus: RedisBus, stage: str, worker_id: str, model: StageModel)
 
 
 async def withdraw(bus: RedisBus, stage: str, worker_id: str) -> None:
-    """Remove ``worker_id`` from its stage's live workers and models (it stops)."""
+    """Remove ``worker_id`` from its stage's live workers and models, and delete its bells
+    (it stops)."""
     await bus.client.zrem(bus.keys.workers(stage), worker_id)
     await cast(Awaitable[int], bus.client.hdel(bus.keys.stage_models(stage), worker_id))
+    await bus.client.delete(*bus.keys.bells(worker_bell(stage, worker_id)))
 
 
 async def read_stage(bus: RedisBus, stage: str, fresh_ms: int) -> StageReadiness:

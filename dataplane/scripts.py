@@ -85,6 +85,16 @@ local function ring(bell, sid, kind)
   redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', 's', sid, 'k', kind)
 end
 
+-- Ring a stage: the bell of the worker holding the session's lease on it (the
+-- stage's bell name, a colon and the worker id), so that no other worker of the
+-- stage wakes. No holder: nobody to tell; whoever takes the session reads it then.
+local function ring_holder(stage_bell, lease, sid, kind)
+  local holder = redis.call('GET', lease)
+  if holder then
+    ring(stage_bell .. ':' .. string.match(holder, '^(.*) %S+ %S+$'), sid, kind)
+  end
+end
+
 -- Lifecycle scripts' KEYS: meta in ctl out prog client_bell (stage_out lease bell)*.
 -- Append a fence barrier to the client journal and every stage stream, and ring
 -- every consumer: the session's control stream changed too.
@@ -94,7 +104,7 @@ local function barrier(control, sid)
   ring(KEYS[6], sid, 'c')
   for i = 7, #KEYS, 3 do
     redis.call('XADD', KEYS[i], '*', 'c', control)
-    ring(KEYS[i + 2], sid, 'c')
+    ring_holder(KEYS[i + 2], KEYS[i + 1], sid, 'c')
   end
 end
 """
@@ -126,7 +136,7 @@ redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonum
 return remember(KEYS[1], {'ok', inc})
 """
 
-# KEYS: meta in bell*   (the bells of the stages reading the session's input)
+# KEYS: meta in (bell lease)*   (each stage reading the session's input: its bell, its lease)
 # ARGV: sid mode tail given(0|1) inc ep tu rs producer pseq
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
 APPEND = r"""
@@ -159,7 +169,7 @@ local event = string.char(0x87)
   .. cmsgpack.pack('turn_seq') .. cmsgpack.pack(tseq)
   .. ARGV[3]
 local id = redis.call('XADD', KEYS[2], '*', 'e', event)
-for i = 3, #KEYS do ring(KEYS[i], ARGV[1], 'd') end
+for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 return remember(KEYS[1], {'ok', seq, tseq, inc, ep, tu, rs, id})
 """
 
@@ -278,8 +288,9 @@ end
 return 0
 """
 
-# KEYS: meta lease prog stage_out client_out bell*  (the bells of the stages reading
-#       this stage, and the client bell for a client-facing stage)
+# KEYS: meta lease prog stage_out client_out (bell lease)* [client_bell]  (each stage
+#       reading this stage: its bell and its lease; the client bell last for a
+#       client-facing stage)
 # ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups sid,
 #       then per group: inc ep tu rs n, the n events for the stage's own stream,
 #       and (to_client only) the n events for the client journal
@@ -334,7 +345,12 @@ for _, span in ipairs(groups) do
   end
 end
 if written > 0 then
-  for i = 6, #KEYS do ring(KEYS[i], ARGV[9], 'd') end
+  local last = #KEYS
+  if ARGV[5] == '1' then
+    ring(KEYS[last], ARGV[9], 'd')
+    last = last - 1
+  end
+  for i = 6, last, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[9], 'd') end
 end
 local applied = tonumber(ARGV[3])
 if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') then

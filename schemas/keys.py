@@ -60,6 +60,15 @@ plane can use, and the number of bells each reader follows. Fixed by the product
 every process of a deployment derives the same key names from it."""
 CLIENT = "@client"
 """The bell consumer name of the coordinators' journal readers."""
+
+
+def worker_bell(stage: str, worker_id: str) -> str:
+    """The bell consumer name of one worker of ``stage``. A stage's input is rung on the
+    bell of the worker holding the session's lease (``dataplane.scripts``, which builds
+    the same name: the stage's bell, a colon, the worker id), so no other worker wakes."""
+    return f"{stage}:{worker_id}"
+
+
 BELL_LENGTH = 10_000
 """Entries a bell keeps (approximately); a reader further behind than that misses
 rings and finds those sessions on its next sweep."""

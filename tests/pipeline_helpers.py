@@ -82,6 +82,14 @@ def delta_tokens(deliveries: list[Delivery]) -> int:
     return sum(len(o.token_ids) for o in outputs_of(deliveries, OutputKind.TEXT_DELTA))
 
 
+def _shown(event: object) -> tuple[object, ...]:
+    """A delivery in a timeout message: kind, fence (incarnation, epoch, turn,
+    response) and text."""
+    kind, fence = getattr(event, "kind", None), getattr(event, "fence", None)
+    where = (fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq) if fence else ()
+    return (getattr(kind, "value", type(event).__name__), where, getattr(event, "text", ""))
+
+
 async def read_until(
     coordinator: Coordinator, done: Callable[[list[Delivery]], bool], *, timeout: float = 30.0
 ) -> list[Delivery]:
@@ -92,6 +100,8 @@ async def read_until(
             while not done(got):
                 got.extend(await coordinator.outputs(block_ms=100))
     except TimeoutError:
-        seen = [(o.kind.value, o.text, o.token_ids) for o in outputs_of(got)]
+        # Each delivery with its fence: a timeout after a second failover or a cancel
+        # shows which fence the awaited output came under.
+        seen = [_shown(d.event) for d in got]
         raise AssertionError(f"timed out; outputs so far: {seen}") from None
     return got

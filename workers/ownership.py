@@ -95,9 +95,8 @@ class StageOwnership:
         self._consumers = list(pipeline.downstream(stage))
         self.feeds_stages = bool(self._consumers)
         """Other stages read what this stage publishes (settings are passed on to them)."""
-        """Who reads what this stage publishes: a publish rings their bells."""
-        if self.to_client:
-            self._consumers.append(CLIENT)
+        """The stages that read what this stage publishes: a publish rings the bells of
+        their lease holders (and the coordinators' for a client-facing stage)."""
 
     def _lifecycle_keys(self, session_id: str) -> list[str]:
         # The scripts expect this stage's (output, lease, bell) triple first, at KEYS[7].
@@ -183,7 +182,10 @@ class StageOwnership:
         repeated after its reply was lost is recognised by its outputs' seqs."""
         sk = self.bus.keys.session(lease.session_id)
         keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
-        keys += [sk.bell(consumer) for consumer in self._consumers]
+        for consumer in self._consumers:
+            keys += [sk.bell(consumer), sk.lease(consumer)]
+        if self.to_client:
+            keys.append(sk.bell(CLIENT))
         seqs = [event.seq for _, events in groups for event in events]
         args: list[object] = [
             self.stage,

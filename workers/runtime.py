@@ -56,7 +56,7 @@ from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
 from schemas.events import SettingsPayload, decode_control
 from schemas.fence import Fence
-from schemas.keys import ASSIGN_GROUP, Keys
+from schemas.keys import ASSIGN_GROUP, Keys, worker_bell
 from schemas.session_shape import settings_from_json
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
@@ -119,7 +119,7 @@ class Worker:
         self._data_pacer = Pacer(settings.linger_ms)
         self._control = Dirty(settings.sweep_ms)
         self._bells = BellReader(
-            self.bus, stage, self._ring, block_ms=settings.block_ms,
+            self.bus, worker_bell(stage, self.worker_id), self._ring, block_ms=settings.block_ms,
             running=lambda: self.state is WorkerState.RUNNING,
         )  # fmt: skip
         self._stopping = asyncio.Event()

@@ -1,0 +1,130 @@
+"""Rings go to the worker that holds the session, and only to it.
+
+A script that writes a stage's input rings the bell of the worker holding the
+session's lease on that stage (``dataplane.scripts``), so the other workers of
+the stage never wake for it. Each test runs on one Redis and on a Redis
+Cluster (the ``redis_url`` fixture), where a bell lives in the session's
+partition.
+"""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.control import ControlState, _forget_dead_workers
+from coordinator.service import Coordinator
+from dataplane.authority import SessionAuthority
+from dataplane.bus import RedisBus
+from dataplane.readiness import withdraw
+from schemas.config import echo_pipeline
+from schemas.events import OutputEvent, OutputKind, TextPayload
+from schemas.keys import CLIENT, Keys, worker_bell
+from tests.pipeline_helpers import fast_settings, outputs_of, read_until, running_worker
+from workers.ownership import StageOwnership
+
+PIPELINE = echo_pipeline("echo", "next")  # echo reads the input, next reads echo
+
+
+async def rings(bus: RedisBus, consumer: str) -> list[tuple[str, str]]:
+    """Every ring on ``consumer``'s bells: (session id, kind)."""
+    out = []
+    for bell in bus.keys.bells(consumer):
+        for entry in await bus.xrange(bell):
+            out.append((entry.fields[b"s"].decode(), entry.fields[b"k"].decode()))
+    return out
+
+
+async def test_an_append_rings_the_holder_only(redis_url, key_prefix):
+    bus = RedisBus(redis_url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, PIPELINE)
+        await authority.open("s1")
+        await authority.append("s1", "append_text", TextPayload("before anyone holds it"))
+        assert await rings(bus, worker_bell("echo", "w1")) == []  # nobody to tell
+        assert await rings(bus, "echo") == []  # the stage's own bell is never rung
+
+        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w1", 5000).acquire("s1", 0)
+        assert lease is not None
+        await authority.append("s1", "append_text", TextPayload("hello"))
+        await authority.cancel("s1", reason="barge_in")
+        assert await rings(bus, worker_bell("echo", "w1")) == [("s1", "d"), ("s1", "c")]
+        assert await rings(bus, worker_bell("echo", "w2")) == []
+        assert await rings(bus, "echo") == []
+    finally:
+        await bus.aclose()
+
+
+async def test_a_publish_rings_the_next_stages_holder_and_the_coordinators(redis_url, key_prefix):
+    bus = RedisBus(redis_url, Keys(key_prefix))
+    try:
+        await SessionAuthority(bus, PIPELINE).open("s1")
+        echo = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
+        _, lease = await echo.acquire("s1", 0)
+        assert lease is not None
+        _, held = await StageOwnership(bus, PIPELINE, "next", "w7", 5000).acquire("s1", 0)
+        assert held is not None
+        out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+        await echo.publish(lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1)
+        assert await rings(bus, worker_bell("next", "w7")) == [("s1", "d")]
+        assert await rings(bus, worker_bell("next", "w1")) == []
+        assert await rings(bus, "next") == []
+        assert await rings(bus, CLIENT) == []  # echo is not client-facing
+
+        nxt = StageOwnership(bus, PIPELINE, "next", "w7", 5000)
+        reply = OutputEvent(held.fence, "next", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+        await nxt.publish(held, [(held.fence, [reply])], applied_seq=1, read_id="1-0", out_seq=1)
+        assert await rings(bus, CLIENT) == [("s1", "d")]
+    finally:
+        await bus.aclose()
+
+
+async def test_a_stage_of_two_workers_answers_every_session_without_sweeps(redis_url, key_prefix):
+    """With sweeps ten minutes apart, every answer below comes from a ring reaching the
+    worker that holds the session: a ring sent elsewhere would leave it unanswered."""
+    pipeline = echo_pipeline("echo")
+    settings = fast_settings(redis_url, key_prefix, sweep_ms=600_000, worker_capacity=3)
+    coordinator = Coordinator(settings, pipeline)
+    sessions = [f"s{i}" for i in range(6)]
+    try:
+        async with (
+            running_worker(settings, pipeline, "echo", worker_id="w1") as w1,
+            running_worker(settings, pipeline, "echo", worker_id="w2") as w2,
+        ):
+            for sid in sessions:
+                await coordinator.open(sid)
+            for sid in sessions:  # each session's first input: taken, read once
+                await coordinator.append(sid, "append_text", TextPayload("one"))
+            await read_until(coordinator, lambda d: len(outputs_of(d)) >= len(sessions))
+            assert len(w1.actors) == len(w2.actors) == 3
+            for round_ in range(3):  # later inputs reach their holders by rings alone
+                for sid in sessions:
+                    await coordinator.append(sid, "append_text", TextPayload(f"more {round_}"))
+                got = await read_until(
+                    coordinator, lambda d: len(outputs_of(d)) >= len(sessions), timeout=10
+                )
+                assert {o.fence.session_id for o in outputs_of(got)} == set(sessions)
+    finally:
+        await coordinator.aclose()
+
+
+async def test_a_stopping_worker_deletes_its_bells_and_the_audit_those_of_the_dead(
+    redis_url, key_prefix
+):
+    bus = RedisBus(redis_url, Keys(key_prefix))
+    settings = fast_settings(redis_url, key_prefix)
+    try:
+        for worker in ("w1", "w2"):
+            for bell in bus.keys.bells(worker_bell("echo", worker)):
+                await bus.client.xadd(bell, {"s": "s1", "k": "d"})
+        await withdraw(bus, "echo", "w1")  # w1 stops
+        assert await rings(bus, worker_bell("echo", "w1")) == []
+        assert await rings(bus, worker_bell("echo", "w2"))
+
+        # w2 was killed: silent for longer than the audit waits, it is forgotten.
+        long_ago = time.time() * 1000 - 3_600_000
+        await bus.client.zadd(bus.keys.workers("echo"), {"w2": long_ago})
+        state = ControlState(settings, PIPELINE, bus)
+        assert await _forget_dead_workers(state, "echo", int(time.time() * 1000)) == 1
+        assert await rings(bus, worker_bell("echo", "w2")) == []
+    finally:
+        await bus.aclose()
