@@ -175,6 +175,7 @@ class OutputReader:
         entries = await self.bus.xread_now(
             {stream: f.cursor for stream, f in owners.items()}, self.batch
         )
+        self._pacer.carried(len(entries))
         delivered: list[Delivery] = []
         counts: Counter[str] = Counter()
         for entry in entries:

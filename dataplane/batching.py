@@ -76,8 +76,9 @@ class ScriptBatcher:
         return await call.future
 
     def _flush(self) -> None:
-        self._pacer.started()
         pending, self._pending = self._pending, []
+        self._pacer.started()
+        self._pacer.carried(len(pending))
         for start in range(0, len(pending), MAX_BATCH):
             task = asyncio.create_task(self._send(pending[start : start + MAX_BATCH]))
             self._tasks.add(task)

@@ -83,6 +83,7 @@ class BellReader:
                 log.exception("reading bells failed; retrying")
                 await asyncio.sleep(0.2)
                 continue
+            pacer.carried(len(entries))
             for entry in entries:
                 cursors[entry.stream] = entry.id
                 session_id = entry.fields.get(b"s")

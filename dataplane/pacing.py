@@ -9,8 +9,11 @@ CPU per event at 100 paced sessions is several times the saturated figure).
 
 A ``Pacer`` lets a round that would follow the previous one by less than
 ``linger_ms`` wait out the rest, so that the work arriving meanwhile joins it
-(Kafka's producer ``linger.ms`` is the same idea). A loop whose rounds are
-further apart than that, an idle or lightly loaded one, is never delayed.
+(Kafka's producer ``linger.ms`` is the same idea). It lingers only while rounds
+are filling up: after a round that carried several items (rings, entries,
+script calls). A lone caller (one call in flight at a time, as a replay's
+appends or a single session's chunks) and a loop whose rounds are further apart
+than the linger are never delayed.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ class Pacer:
     def __init__(self, linger_ms: float) -> None:
         self.linger_s = max(0.0, linger_ms) / 1000
         self._last = -math.inf
+        self._filling = False
+        """The last round carried several items: others are arriving concurrently."""
 
     def due_in(self) -> float:
         """Seconds until the next round may start (0: now)."""
-        if not self.linger_s:
+        if not self.linger_s or not self._filling:
             return 0.0
         return max(0.0, self._last + self.linger_s - time.monotonic())
 
@@ -37,6 +42,10 @@ class Pacer:
         """A round starts now: the next one is spaced from here."""
         if self.linger_s:
             self._last = time.monotonic()
+
+    def carried(self, items: int) -> None:
+        """The round carried ``items``: the next one lingers only if it was several."""
+        self._filling = items > 1
 
     async def pace(self) -> None:
         """Wait until the next round may start, and count it as started."""

@@ -74,11 +74,12 @@ class Settings(BaseSettings):
     """How often a reader reads every stream it follows without waiting for a ring
     (``dataplane.bells``): the bound on the delay a lost ring can cause."""
     linger_ms: float = Field(1.0, ge=0, le=100)
-    """Linger of the data plane's loops (``dataplane.pacing``): a read or a batch of
-    script calls that would follow the previous one by less than this waits out the
-    rest, so the work arriving meanwhile joins it. Under load: fewer, fuller rounds,
-    less CPU per event, for at most this much delay per hop; a loop whose rounds are
-    further apart (a quiet session) is never delayed. 0 turns it off."""
+    """Linger of the data plane's loops (``dataplane.pacing``): while rounds are filling
+    up (the last one carried several items), a read or a batch of script calls that
+    would follow the previous one by less than this waits out the rest, so the work
+    arriving meanwhile joins it: fewer, fuller rounds for at most this much delay per
+    hop (section 11 of docs/benchmarks.md measures it). A lone caller and a quiet loop
+    are never delayed. 0 turns it off."""
     read_batch: int = Field(64, ge=1, le=10_000)
     """Most entries one stream read returns; a stage catching up gets batches this big."""
     coalesce_ms: int = Field(20, ge=0, le=1000)

@@ -33,19 +33,31 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return clock
 
 
-def test_a_round_close_behind_the_last_waits_out_the_linger(clock):
+def test_a_round_close_behind_a_full_one_waits_out_the_linger(clock):
     pacer = Pacer(2.0)
     assert pacer.due_in() == 0  # the first round never waits
     pacer.started()
+    pacer.carried(5)
     clock.now += 0.0005
     assert pacer.due_in() == pytest.approx(0.0015)
     clock.now += 0.0015
     assert pacer.due_in() == 0
 
 
+def test_a_round_behind_one_that_carried_a_single_item_never_waits(clock):
+    """A lone caller (one call in flight at a time) is never delayed."""
+    pacer = Pacer(2.0)
+    for items in (1, 0):
+        pacer.started()
+        pacer.carried(items)
+        clock.now += 0.0001
+        assert pacer.due_in() == 0
+
+
 def test_a_round_long_after_the_last_never_waits(clock):
     pacer = Pacer(2.0)
     pacer.started()
+    pacer.carried(5)
     clock.now += 5.0  # an idle loop
     assert pacer.due_in() == 0
 
@@ -53,6 +65,7 @@ def test_a_round_long_after_the_last_never_waits(clock):
 def test_zero_linger_never_waits(clock):
     pacer = Pacer(0)
     pacer.started()
+    pacer.carried(5)
     assert pacer.due_in() == 0
 
 
@@ -66,6 +79,7 @@ async def test_pace_sleeps_the_rest_and_counts_the_round(clock, monkeypatch):
     monkeypatch.setattr(pacing.asyncio, "sleep", sleep)
     pacer = Pacer(1.0)
     await pacer.pace()
+    pacer.carried(3)
     clock.now += 0.0004
     await pacer.pace()
     assert slept == [pytest.approx(0.0006)]
@@ -106,21 +120,35 @@ class Script:
         return self
 
 
-async def test_calls_within_the_linger_of_a_batch_join_the_next_one(redis_client, key_prefix):
+async def test_calls_within_the_linger_of_a_full_batch_join_the_next_one(redis_client, key_prefix):
     counting = CountingClient(redis_client)
     batcher = ScriptBatcher(counting, linger_ms=1000)
     incr = await Script(redis_client, "return redis.call('INCR', KEYS[1])").load()
     key = f"{key_prefix}:n"
 
-    assert await batcher.run(incr, [key], []) == 1  # the first batch goes at once
-    assert counting.pipelines == 1
-    # Two calls made one after the other, well within the linger of the first batch:
+    # Two concurrent callers: their calls go at once, in one batch.
+    first = await asyncio.gather(batcher.run(incr, [key], []), batcher.run(incr, [key], []))
+    assert sorted(first) == [1, 2] and counting.pipelines == 1
+    # Two calls made one after the other, well within the linger of that full batch:
     # they wait for it and go together.
     second = asyncio.create_task(batcher.run(incr, [key], []))
     await asyncio.sleep(0.02)
     third = asyncio.create_task(batcher.run(incr, [key], []))
-    assert sorted(await asyncio.gather(second, third)) == [2, 3]
+    assert sorted(await asyncio.gather(second, third)) == [3, 4]
     assert counting.pipelines == 2
+
+
+async def test_a_lone_caller_is_never_delayed(redis_client, key_prefix):
+    """One call in flight at a time (a replay's appends): each batch carries one call,
+    so none lingers, however long the linger."""
+    counting = CountingClient(redis_client)
+    batcher = ScriptBatcher(counting, linger_ms=60_000)
+    incr = await Script(redis_client, "return redis.call('INCR', KEYS[1])").load()
+    key = f"{key_prefix}:n"
+    async with asyncio.timeout(30):  # a single linger would take a minute
+        for n in range(1, 21):
+            assert await batcher.run(incr, [key], []) == n
+    assert counting.pipelines == 20
 
 
 async def test_without_linger_each_loop_turn_is_its_own_batch(redis_client, key_prefix):

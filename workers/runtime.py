@@ -487,6 +487,7 @@ class Worker:
             await self._data.wait(self._block_ms())
             return
         entries = await self.bus.xread_now(streams, self.settings.read_batch)
+        self._data_pacer.carried(len(entries))
         batches: dict[str, list[Entry]] = {}
         for entry in entries:
             owners[entry.stream].read_cursor = entry.id
