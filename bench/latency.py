@@ -110,6 +110,10 @@ async def run_latency(
     return {"workers": 1, "reference_round_trip": raw["round_trip"], "points": points}
 
 
+def _within(point: dict[str, Any], plan: Any) -> bool:
+    return served(point) and point["added_p99_ms"] <= plan.budget_ms
+
+
 async def run_scaling(
     server: PrivateRedis, plan: Any, raw: dict[str, Any], log_dir: Path
 ) -> dict[str, Any]:
@@ -120,12 +124,19 @@ async def run_scaling(
         for sessions in plan.scaling_sessions:
             point = await measure(server, log_dir, f"sc{workers}x{sessions}", workers, sessions,
                                   plan.scaling_seconds, 1.0)  # fmt: skip
+            if "error" not in point and not _within(point, plan):
+                # One stall of the machine puts a few events over budget in one run; the
+                # point counts as over only if a second run of it is over too.
+                first = point
+                point = await measure(server, log_dir, f"sc{workers}x{sessions}b", workers,
+                                      sessions, plan.scaling_seconds, 1.0)  # fmt: skip
+                point["first_run_added_p99_ms"] = first.get("added_p99_ms")
             tried.append(point)
             if "error" in point:
                 print(f"  scaling {workers} worker(s) x {sessions:>4} sessions: failed: "
                       f"{point['error']}", flush=True)  # fmt: skip
                 break
-            ok = served(point) and point["added_p99_ms"] <= plan.budget_ms
+            ok = _within(point, plan)
             point["within_budget"] = ok
             print(f"  scaling {workers} worker(s) x {sessions:>4} sessions: added p99 "
                   f"{point['added_p99_ms']:.2f} ms, delivered {point['delivered_eps']:.0f}/"
