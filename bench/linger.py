@@ -1,8 +1,8 @@
 """11. Linger: CPU per event and latency with the shipped linger and without it.
 
 ``python -m bench --only linger``: paced sessions (25 chunks/s each, as
-section 2) on one echo worker, each session count measured twice in a row,
-with ``linger_ms=0`` and with the shipped ``linger_ms``, repeated
+section 2) on one echo worker, each session count measured with
+``linger_ms=0`` and then with the shipped ``linger_ms``, the pair repeated
 ``plan.linger_repeats`` times so that both settings see the machine in the
 same states. The linger (``dataplane/pacing.py``) trades at most its own
 length per hop for fewer, fuller rounds: the figures say what it saves and
@@ -79,8 +79,9 @@ def section(s: dict[str, Any] | None) -> str:
     out.append(
         "Paced sessions (25 chunks/s each) on one echo worker, with the linger off and at\n"
         f"its shipped {s['linger_ms']:g} ms (`linger_ms`, `dataplane/pacing.py`): a read or a\n"
-        "batch of script calls that would follow the previous one within the linger waits\n"
-        "out the rest, so the work arriving meanwhile joins it. Each setting was measured\n"
+        "batch of script calls that would follow a round carrying several items within the\n"
+        "linger waits out the rest, so the work arriving meanwhile joins it (a lone caller\n"
+        "never waits). Each setting was measured\n"
         f"{s['repeats']} times, alternating with the other; the medians are shown.\n"
     )
     rows = []

@@ -93,10 +93,10 @@ class StageOwnership:
         self._authority = SessionAuthority(bus, pipeline)
         self._stage_index = pipeline.stage_names.index(stage)
         self._consumers = list(pipeline.downstream(stage))
-        self.feeds_stages = bool(self._consumers)
-        """Other stages read what this stage publishes (settings are passed on to them)."""
         """The stages that read what this stage publishes: a publish rings the bells of
         their lease holders (and the coordinators' for a client-facing stage)."""
+        self.feeds_stages = bool(self._consumers)
+        """Other stages read what this stage publishes (settings are passed on to them)."""
 
     def _lifecycle_keys(self, session_id: str) -> list[str]:
         # The scripts expect this stage's (output, lease, bell) triple first, at KEYS[7].

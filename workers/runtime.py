@@ -116,7 +116,7 @@ class Worker:
         self.state = WorkerState.STARTING
         self._actor_tasks: dict[str, asyncio.Task[None]] = {}
         self._data = Dirty(settings.sweep_ms)
-        self._data_pacer = Pacer(settings.linger_ms)
+        self._data_pacer = Pacer(self.bus.linger_ms)
         self._control = Dirty(settings.sweep_ms)
         self._bells = BellReader(
             self.bus, worker_bell(stage, self.worker_id), self._ring, block_ms=settings.block_ms,
