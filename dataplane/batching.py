@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
 
@@ -53,11 +53,37 @@ def _settle(call: _Call, outcome: Any) -> None:
         call.future.set_result(outcome)
 
 
+class Pipe(Protocol):
+    """Where batches go: one Redis, one round trip per ``pipeline``."""
+
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Replies in order; an error reply as its exception, not raised."""
+
+    async def load(self, script: str) -> None:
+        """SCRIPT LOAD."""
+
+
+class RedisPyPipe:
+    """A ``Pipe`` over a redis-py client (TLS and unix sockets; see ``dataplane.lane``)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=False))
+
+    async def load(self, script: str) -> None:
+        await self.client.script_load(script)
+
+
 class ScriptBatcher:
     """Coalesces concurrent script calls on one Redis into pipelines."""
 
-    def __init__(self, client: Any, linger_ms: float = 0.0) -> None:
-        self.client = client
+    def __init__(self, pipe: Pipe, linger_ms: float = 0.0) -> None:
+        self.pipe = pipe
         self._pacer = Pacer(linger_ms)
         """A batch that would follow the previous one within the linger waits for it."""
         self._pending: list[_Call] = []
@@ -102,12 +128,9 @@ class ScriptBatcher:
 
     async def _send_once(self, calls: list[_Call]) -> list[_Call]:
         """Send ``calls``; settle their futures; return those refused with NOSCRIPT."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.execute_command(
-                    "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                )
-            replies = await pipe.execute(raise_on_error=False)
+        replies = await self.pipe.pipeline(
+            [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
+        )
         missing: list[_Call] = []
         for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, NoScriptError):
@@ -118,4 +141,4 @@ class ScriptBatcher:
 
     async def _load(self, scripts: Any) -> None:
         for script in scripts:
-            await self.client.script_load(script.script)
+            await self.pipe.load(script.script)

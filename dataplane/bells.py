@@ -71,7 +71,7 @@ class BellReader:
                 group.create_task(self._follow(bells, cursors))
 
     async def _follow(self, bells: list[str], cursors: dict[str, str]) -> None:
-        conn = self.bus.reader(self.block_ms)
+        conn = self.bus.stream_reader(self.block_ms)
         pacer = Pacer(self.bus.linger_ms)  # rings that come meanwhile join the next read
         while self.running():
             await pacer.pace()

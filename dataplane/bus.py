@@ -35,8 +35,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
-from dataplane.batching import ScriptBatcher
+from dataplane.batching import RedisPyPipe, ScriptBatcher
 from dataplane.cluster import cluster_client
+from dataplane.lane import Lane
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
@@ -65,13 +66,30 @@ def _text(value: bytes | str) -> str:
 
 
 def parse_read_reply(reply: Any) -> list[Entry]:
-    """Flatten an XREAD/XREADGROUP reply (RESP2: ``[[stream, [(id, fields)]]]``)."""
+    """Flatten an XREAD/XREADGROUP reply as redis-py gives it (``[[stream, [(id,
+    fields)]]]``, fields a dict)."""
     entries: list[Entry] = []
     for stream, messages in reply or ():
         name = _text(stream)
         for entry_id, fields in messages:
             entries.append(Entry(name, _text(entry_id), dict(fields or {})))
     return entries
+
+
+def parse_raw_read_reply(reply: Any) -> list[Entry]:
+    """Flatten an XREAD reply as Redis sends it (RESP2: ``[[stream, [[id, [field,
+    value, ...]]]]]``; ``dataplane.lane``)."""
+    entries: list[Entry] = []
+    for stream, messages in reply or ():
+        name = stream.decode()
+        for entry_id, flat in messages:
+            pairs = iter(flat or ())
+            entries.append(Entry(name, entry_id.decode(), dict(zip(pairs, pairs, strict=True))))
+    return entries
+
+
+Reader = Lane | aioredis.Redis
+"""A dedicated connection for blocking reads (``RedisBus.stream_reader``)."""
 
 
 def _retry() -> Retry:
@@ -144,8 +162,10 @@ class RedisBus:
             retry_on_error=list(_RETRY_ON),
             health_check_interval=30,
         )
-        self._readers: list[aioredis.Redis] = []
-        self._batcher = ScriptBatcher(self.client, linger_ms)
+        self.lane = self._lane() if url.startswith("redis://") else None
+        """The hot path's connection (scripts, stream reads) on one plain-TCP Redis."""
+        self._readers: list[Reader] = []
+        self._batcher = ScriptBatcher(self.lane or RedisPyPipe(self.client), linger_ms)
         """Script calls made in the same loop turn share one round trip."""
         self._replicated = ReplicatedRunner(self.client) if self.cluster else None
         """On a cluster, scripts are acknowledged once a replica has their writes."""
@@ -174,8 +194,21 @@ class RedisBus:
         shared prelude)."""
         return self._register(body)
 
+    def _lane(self) -> Lane:
+        timeout = self._command_timeout
+        return Lane(self.url, timeout_s=timeout, connect_timeout_s=timeout)
+
+    def stream_reader(self, block_ms: int) -> Reader:
+        """A dedicated connection for blocking XREADs of up to ``block_ms`` (``xread``):
+        a lane of its own where the bus has lanes."""
+        if self.lane is None:
+            return self.reader(block_ms)
+        lane = self._lane()
+        self._readers.append(lane)
+        return lane
+
     def reader(self, block_ms: int) -> aioredis.Redis:
-        """A dedicated connection for blocking reads of up to ``block_ms``."""
+        """A dedicated redis-py connection for blocking reads of up to ``block_ms``."""
         conn: aioredis.Redis = _client(
             self.url,
             socket_timeout=block_ms / 1000 + self._command_timeout,
@@ -191,6 +224,8 @@ class RedisBus:
         for conn in self._readers:
             await conn.aclose()
         self._readers.clear()
+        if self.lane is not None:
+            await self.lane.aclose()
         await self.client.aclose()
 
     async def ping(self) -> bool:
@@ -233,16 +268,25 @@ class RedisBus:
         return list(await asyncio.gather(*(self._batcher.run(script, k, a) for k, a in calls)))
 
     async def xread(
-        self, conn: aioredis.Redis, streams: Mapping[str, str], count: int, block_ms: int | None
+        self, conn: Reader, streams: Mapping[str, str], count: int, block_ms: int | None
     ) -> list[Entry]:
         if not streams:
             return []
+        if isinstance(conn, Lane):
+            block = () if block_ms is None else ("BLOCK", block_ms)
+            reply = await conn.execute(
+                "XREAD", "COUNT", count, *block, "STREAMS", *streams, *streams.values(),
+                extra_timeout_s=(block_ms or 0) / 1000,
+            )  # fmt: skip
+            return parse_raw_read_reply(reply)
         request: dict[Any, Any] = dict(streams)
         reply = await conn.xread(request, count=count, block=block_ms)
         return parse_read_reply(reply)
 
     async def xread_now(self, streams: Mapping[str, str], count: int) -> list[Entry]:
         """Read many streams without blocking, one XREAD per cluster slot."""
+        if self.lane is not None:
+            return await self.xread(self.lane, streams, count, None)
         groups = self.slot_groups(streams)
         if len(groups) == 1:
             return await self.xread(self.client, streams, count, None)

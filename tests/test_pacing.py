@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from dataplane import pacing
-from dataplane.batching import ScriptBatcher
+from dataplane.batching import RedisPyPipe, ScriptBatcher
 from dataplane.pacing import Pacer
 from schemas.config import Settings
 
@@ -101,12 +101,12 @@ class CountingClient:
         self.client = client
         self.pipelines = 0
 
-    def pipeline(self, **kwargs: Any) -> Any:
+    async def pipeline(self, commands: Any) -> list[Any]:
         self.pipelines += 1
-        return self.client.pipeline(**kwargs)
+        return await RedisPyPipe(self.client).pipeline(commands)
 
-    async def script_load(self, script: str) -> Any:
-        return await self.client.script_load(script)
+    async def load(self, script: str) -> None:
+        await self.client.script_load(script)
 
 
 class Script:

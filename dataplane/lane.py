@@ -1,0 +1,233 @@
+"""A lean pipelined connection to one Redis, for the data plane's hot path.
+
+Each script call and stream read of the data plane went through redis-py's
+asyncio client: a pool checkout, a retry wrapper, a lock, a stream reader and a
+chain of parse callbacks per reply. Measured side by side, a pipeline of 64
+append scripts cost about 18-24 us of Python per call that way, and about 5 us
+written straight to the socket and parsed by hiredis in C. ``Lane`` is that
+second way, kept small:
+
+- Commands from any number of coroutines share one connection. Redis answers a
+  connection's commands in the order it received them, so replies are matched to
+  their callers in order (one future per call, which may carry many commands).
+- A caller that gives up (cancelled, timed out) leaves its replies to be read and
+  dropped: the connection never falls out of step, as redis-py's does when a read
+  is cancelled.
+- A write Redis does not take (the socket's buffer stays full) or replies that do
+  not come within the timeout close the connection: every caller waiting on it
+  gets a ``TimeoutError`` or ``ConnectionError`` (redis-py's), and the next call
+  connects afresh (``tests/test_lane.py``).
+- ``pipeline`` retries a batch lost with its connection (refused, reset, timed
+  out, or answered ``LOADING`` by a Redis still reading its data) with the same
+  backoff as ``RedisBus``'s client, so a Redis restart is a pause, not a crash.
+  Only commands that may be repeated go through it: the data plane's scripts
+  recognise a repeat (``dataplane.scripts``), and reads change nothing.
+
+Only plain TCP (``redis://``) is served this way; TLS, unix sockets and Redis
+Cluster keep redis-py's connections (``dataplane.bus``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import Any, cast
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis._parsers.base import BaseParser
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from dataplane.packing import pack
+
+RETRIES = 60
+"""Attempts after the first one, as ``RedisBus``'s client makes (about 30 s in all)."""
+_RETRY_ON = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def as_error(reply: hiredis.ReplyError) -> RedisError:
+    """redis-py's exception for an error reply (``NoScriptError`` for NOSCRIPT, ...)."""
+    error = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
+    return error if isinstance(error, RedisError) else ResponseError(str(reply))
+
+
+class _Waiter:
+    __slots__ = ("count", "future", "replies")
+
+    def __init__(self, future: asyncio.Future[list[Any]], count: int) -> None:
+        self.future = future
+        self.count = count
+        self.replies: list[Any] = []
+
+
+class _Protocol(asyncio.Protocol):
+    """The socket: writes what it is given, hands each reply to the oldest waiter."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader()
+        self.waiters: collections.deque[_Waiter] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport instances, but behave as one.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters[0]
+            replies = waiter.replies
+            while len(replies) < waiter.count:
+                reply = self.reader.gets()
+                if reply is False:
+                    return
+                replies.append(reply)
+            waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_result(replies)
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.writable.set()
+        error = RedisConnectionError(f"the connection to Redis was lost: {exc or 'closed'}")
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+
+    def abort(self) -> None:
+        """Drop the connection now; its waiters learn in ``connection_lost``."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
+
+
+class Lane:
+    """One pipelined connection to the Redis of a ``redis://`` URL."""
+
+    def __init__(self, url: str, *, timeout_s: float, connect_timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "redis":
+            raise ValueError(f"a lane speaks plain TCP only, not {parts.scheme}://")
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or 6379
+        self.username = unquote(parts.username) if parts.username else None
+        self.password = unquote(parts.password) if parts.password else None
+        path = parts.path.strip("/")
+        self.db = int(path) if path else 0
+        self.where = f"{self.host}:{self.port}"
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._protocol: _Protocol | None = None
+        self._connecting = asyncio.Lock()
+        self._closed = False
+
+    async def execute(self, *args: Any, extra_timeout_s: float = 0.0) -> Any:
+        """One command (retried as ``pipeline`` retries); an error reply is raised.
+        ``extra_timeout_s``: how long past the timeout a blocking command may take."""
+        (reply,) = await self.pipeline([args], extra_timeout_s=extra_timeout_s)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def pipeline(
+        self, commands: Sequence[Sequence[Any]], *, extra_timeout_s: float = 0.0
+    ) -> list[Any]:
+        """Send ``commands`` together and return their replies in order, error replies
+        as exception objects; a batch lost with its connection is sent again."""
+        backoff = ExponentialBackoff(cap=0.5, base=0.02)
+        failures = 0
+        while True:
+            try:
+                replies = await self._send(commands, extra_timeout_s)
+                if any(isinstance(r, hiredis.ReplyError) and str(r).startswith("LOADING")
+                       for r in replies):  # fmt: skip
+                    raise BusyLoadingError("Redis is loading its data")
+                return [as_error(r) if isinstance(r, hiredis.ReplyError) else r for r in replies]
+            except _RETRY_ON:
+                failures += 1
+                if failures > RETRIES or self._closed:
+                    raise
+                await asyncio.sleep(backoff.compute(failures))
+
+    async def load(self, script: str) -> None:
+        """SCRIPT LOAD (for ``dataplane.batching``)."""
+        await self.execute("SCRIPT", "LOAD", script)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._protocol is not None:
+            self._protocol.abort()
+            self._protocol = None
+
+    async def _send(self, commands: Sequence[Sequence[Any]], extra_timeout_s: float) -> list[Any]:
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            protocol = await self._connect()
+        buffer = b"".join(pack(tuple(command)) for command in commands)
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        protocol.waiters.append(_Waiter(future, len(commands)))
+        cast(asyncio.Transport, protocol.transport).write(buffer)
+        try:
+            async with asyncio.timeout(self.timeout_s + extra_timeout_s):
+                if not protocol.writable.is_set():
+                    await protocol.writable.wait()  # Redis is not taking what we write
+                return await future
+        except TimeoutError:
+            protocol.abort()  # everyone waiting on it learns at once; the next call reconnects
+            raise RedisTimeoutError("Redis did not answer within the timeout") from None
+        finally:
+            if not future.done():
+                future.cancel()  # given up: its replies are read and dropped
+
+    async def _connect(self) -> _Protocol:
+        async with self._connecting:
+            if self._closed:
+                raise RedisConnectionError("the lane is closed")
+            if self._protocol is not None and not self._protocol.closed:
+                return self._protocol
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    _, protocol = await loop.create_connection(_Protocol, self.host, self.port)
+            except TimeoutError:
+                raise RedisTimeoutError(f"connecting to {self.where} timed out") from None
+            except OSError as exc:
+                raise RedisConnectionError(f"cannot connect to {self.where}: {exc}") from exc
+            self._protocol = protocol
+            await self._hello(protocol)
+            return protocol
+
+    async def _hello(self, protocol: _Protocol) -> None:
+        """Authenticate and select the database, as redis-py does on connect."""
+        setup: list[tuple[Any, ...]] = []
+        if self.password is not None:
+            auth = (self.username, self.password) if self.username else (self.password,)
+            setup.append(("AUTH", *auth))
+        if self.db:
+            setup.append(("SELECT", self.db))
+        if not setup:
+            return
+        try:
+            replies = await self._send(setup, 0.0)
+        except BaseException:
+            protocol.abort()
+            raise
+        for reply in replies:
+            if isinstance(reply, hiredis.ReplyError):
+                protocol.abort()
+                raise as_error(reply)
