@@ -11,7 +11,7 @@ from schemas.config import echo_pipeline
 from schemas.events import ControlEvent, ControlKind, InputEvent, InputMode, TextPayload
 from schemas.keys import Keys
 from workers.actor import SessionActor
-from workers.backends.base import StageBackend, StageContext
+from workers.backends.base import StageBackend, StageContext, StageEvent
 from workers.backends.echo import EchoBackend
 from workers.ownership import StageOwnership
 
@@ -20,12 +20,20 @@ NEXT = "next"
 PIPELINE = echo_pipeline(STAGE, NEXT)
 
 
+class StreamingEcho(EchoBackend):
+    """Echo answering every event through ``handle``, run in a task as a model stage's
+    is (never at once): the path the actor's races are about."""
+
+    def answer_now(self, ctx: StageContext, event: StageEvent) -> None:
+        return None
+
+
 @contextlib.asynccontextmanager
 async def owned_actor(
     redis_server, key_prefix, sid: str = "s1", backend: StageBackend | None = None
 ) -> AsyncIterator[SessionActor]:
-    """An actor of the first stage of ``echo -> next`` (echo unless ``backend``) holding
-    the lease of a freshly opened session."""
+    """An actor of the first stage of ``echo -> next`` (``StreamingEcho`` unless
+    ``backend``) holding the lease of a freshly opened session."""
     pipeline = PIPELINE
     bus = RedisBus(redis_server.url, Keys(key_prefix))
     try:
@@ -34,7 +42,7 @@ async def owned_actor(
         _, lease = await ownership.acquire(sid, 0)
         assert lease is not None
         ctx = StageContext(sid, STAGE, lease.fence, {})
-        yield SessionActor(lease, ownership, backend or EchoBackend({}), ctx)
+        yield SessionActor(lease, ownership, backend or StreamingEcho({}), ctx)
     finally:
         await bus.aclose()
 

@@ -94,3 +94,46 @@ async def test_a_cancel_seen_first_by_a_refused_publish_releases_once(redis_serv
         )
         await asyncio.wait_for(handling, 5)
         assert backend.released == [before]
+
+
+async def test_an_answer_given_at_once_is_staged_without_a_producer_task(redis_server, key_prefix):
+    """Echo answers an unstreamed event at once (``answer_now``): no task runs ``handle``,
+    and the answer waits for the batch's publish, with the progress."""
+    from workers.backends.echo import EchoBackend
+
+    async with owned_actor(redis_server, key_prefix, backend=EchoBackend({})) as actor:
+        tasks_before = len(asyncio.all_tasks())
+        handling = actor._handle(text_input(actor, 1, "hello"))
+        await handling
+        assert len(asyncio.all_tasks()) == tasks_before and actor._producer is None
+        assert [(e.kind, e.text, e.source_seq) for e in actor._pending] == [
+            (OutputKind.TEXT_DELTA, "hello", 1)
+        ]
+
+
+async def test_an_answer_given_at_once_skips_what_the_previous_owner_published(
+    redis_server, key_prefix
+):
+    from workers.actor import SessionActor
+    from workers.backends.echo import EchoBackend
+
+    async with owned_actor(redis_server, key_prefix, backend=EchoBackend({})) as actor:
+        heir = SessionActor(actor.lease, actor.ownership, actor.backend, actor.ctx, {1: 1})
+        await heir._handle(text_input(heir, 1, "hello"))
+        await heir._handle(text_input(heir, 2, "again"))
+        assert [e.text for e in heir._pending] == ["again"]
+
+
+async def test_an_answer_at_once_that_raises_becomes_the_events_error(redis_server, key_prefix):
+    from workers.backends.echo import EchoBackend
+
+    class Failing(EchoBackend):
+        def answer_now(self, ctx, event):
+            raise ValueError("no answer")
+
+    async with owned_actor(redis_server, key_prefix, backend=Failing({})) as actor:
+        await actor._handle(text_input(actor, 1, "hello"))
+        assert actor.active
+        assert [(e.kind, e.text, e.meta) for e in actor._pending] == [
+            (OutputKind.ERROR, "no answer", {"code": "backend_error"})
+        ]

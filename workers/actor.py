@@ -169,6 +169,8 @@ class SessionActor:
         self._events_in = EVENTS_IN.labels(stage=ctx.stage)
         self._events_out = EVENTS_OUT.labels(stage=ctx.stage)
         self._publishes = PUBLISHES.labels(stage=ctx.stage)
+        self._answer_now = getattr(backend, "answer_now", None)
+        """The backend's ``AnswersAtOnce.answer_now``, if it has one."""
 
     def enqueue(self, batch: list[Entry]) -> None:
         """Queue a batch read from the stage's input (called by the data reader)."""
@@ -317,6 +319,8 @@ class SessionActor:
             self.ctx.fence = fence
 
     async def _handle(self, event: StageEvent) -> None:
+        if self._answer_now is not None and self._answered_now(event):
+            return
         fence = self.ctx.fence
         drafts: asyncio.Queue[OutputDraft | None] = asyncio.Queue()
 
@@ -340,6 +344,31 @@ class SessionActor:
             self._producer_fence = None
             await self._reap(producer, event)
 
+    def _answered_now(self, event: StageEvent) -> bool:
+        """Stage the backend's answer given at once (``AnswersAtOnce``); False when it
+        has none and ``handle`` must run."""
+        assert self._answer_now is not None
+        try:
+            drafts = self._answer_now(self.ctx, event)
+        except Exception as exc:
+            self._backend_failed(event, exc)
+            return True
+        if drafts is None:
+            return False
+        fence = self.ctx.fence
+        for draft in drafts:
+            if not self._published_before_death(event.seq):
+                self._stage(draft, fence, event.seq)
+        return True
+
+    def _published_before_death(self, seq: int) -> bool:
+        """True for each of the first drafts of the answer to ``seq`` that the previous
+        owner published before it died: they are dropped, not published again."""
+        if self._published_before.get(seq, 0) > 0:
+            self._published_before[seq] -= 1
+            return True
+        return False
+
     async def _relay(
         self, drafts: asyncio.Queue[OutputDraft | None], fence: Fence, event: StageEvent
     ) -> None:
@@ -352,9 +381,8 @@ class SessionActor:
                 continue
             if not self.active or self.ctx.fence.epoch > fence.epoch:
                 continue  # released while queued: never published
-            if self._published_before.get(event.seq, 0) > 0:
-                self._published_before[event.seq] -= 1
-                continue  # the previous owner published this one before it died
+            if self._published_before_death(event.seq):
+                continue
             self._stage(draft, fence, event.seq)
             if draft.flush and coalescer.hold(_now()):
                 await self._publish_held(coalescer)
@@ -377,6 +405,10 @@ class SessionActor:
         if producer.cancelled() or producer.exception() is None:
             return
         exc = producer.exception()
+        assert exc is not None
+        self._backend_failed(event, exc)
+
+    def _backend_failed(self, event: StageEvent, exc: BaseException) -> None:
         log.warning("seq %s: backend failed: %r", event.seq, exc, extra=self._extra())
         self._stage(
             OutputDraft(OutputKind.ERROR, text=str(exc), meta={"code": "backend_error"}),

@@ -12,7 +12,8 @@ was already applied. A backend only
   as much of them as its ``rebuild`` window asks for,
 - ``handle``s one event, yielding drafts as they are ready (a streaming model
   yields one per step; ``flush`` drafts are published as they come, coalesced:
-  see ``workers.coalesce``),
+  see ``workers.coalesce``); a backend that has an answer at once may give it
+  from ``answer_now`` instead (optional, ``AnswersAtOnce``),
 - ``absorb``s an event that arrived before an interruption (context only,
   nothing answers it) unless it declares ``continuous_input``,
 - ``release``s the work bound to a fence (barge-in, close, failover): abort
@@ -143,6 +144,18 @@ class StageBackend(Protocol):
     async def stop(self, ctx: StageContext) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+class AnswersAtOnce(Protocol):
+    """A backend that can answer some events without waiting for anything (optional).
+
+    ``answer_now`` returns the event's whole answer, or None to take the usual path
+    (``handle``, run in a task of its own). An answer given at once is staged
+    directly and published with the event's progress, never ahead of it: running
+    ``handle`` in a task, with a queue for its drafts, cost a cheap stage more than
+    the stage itself (``docs/benchmarks.md``)."""
+
+    def answer_now(self, ctx: StageContext, event: StageEvent) -> Sequence[OutputDraft] | None: ...
 
 
 class LoadsModel(Protocol):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from schemas.events import (
@@ -138,25 +138,38 @@ class EchoBackend:
         return OutputDraft(OutputKind.FUNCTION_CALL, text=arguments,
                            meta={"name": name, "call_id": f"call_{event.seq}"})  # fmt: skip
 
+    def answer_now(self, ctx: StageContext, event: StageEvent) -> list[OutputDraft] | None:
+        """The whole answer at once when it is not streamed (``chunks`` 1): nothing to
+        wait for, so the runtime stages it without running ``handle`` in a task. A
+        subclass with a ``handle`` of its own answers through it."""
+        if self.chunks > 1 or type(self).handle is not EchoBackend.handle:
+            return None
+        return list(self._answer_drafts(ctx, event))
+
     async def handle(self, ctx: StageContext, event: StageEvent) -> AsyncIterator[OutputDraft]:
+        epoch = ctx.fence.epoch
+        for draft in self._answer_drafts(ctx, event):
+            if draft.meta.get("chunk", 0) and self.step_s:
+                await asyncio.sleep(self.step_s)
+            if "chunk" in draft.meta and ctx.fence.epoch > epoch:
+                self.steps_after_release += 1
+            yield draft
+
+    def _answer_drafts(self, ctx: StageContext, event: StageEvent) -> Iterator[OutputDraft]:
+        """The answer's drafts in order (a streamed one is paced by ``handle``)."""
         call = self._call(ctx, event)
         if call is not None:
             yield call
             return
         result = ctx.state.pop("result", None)
         if result is not None and isinstance(event, InputEvent):
-            async for draft in self._echo(ctx, event, OutputKind.TEXT_DELTA, result):
-                yield draft
+            yield from self._echo(event, OutputKind.TEXT_DELTA, result)
         answer = self._answer(ctx, event)
-        if answer is None:
-            return
-        async for draft in self._echo(ctx, event, *answer):
-            yield draft
+        if answer is not None:
+            yield from self._echo(event, *answer)
 
-    async def _echo(
-        self, ctx: StageContext, event: StageEvent, kind: OutputKind, content: Any
-    ) -> AsyncIterator[OutputDraft]:
-        """``content`` as ``kind`` drafts, in ``chunks`` pieces ``step_ms`` apart."""
+    def _echo(self, event: StageEvent, kind: OutputKind, content: Any) -> Iterator[OutputDraft]:
+        """``content`` as ``kind`` drafts, in ``chunks`` pieces."""
         source: dict[str, str | int | float | bool] = {"source": event.seq}
         if isinstance(event, InputEvent):
             source["turn_seq"] = event.turn_seq
@@ -166,12 +179,7 @@ class EchoBackend:
             source |= {k: v for k, v in event.meta.items() if k in _NAMING}
         pieces = _split(content, self.chunks) if kind is not OutputKind.DONE else [content]
         streaming = len(pieces) > 1
-        epoch = ctx.fence.epoch
         for index, piece in enumerate(pieces):
-            if index and self.step_s:
-                await asyncio.sleep(self.step_s)
-            if ctx.fence.epoch > epoch:
-                self.steps_after_release += 1
             meta = {**source, "chunk": index, "last": index == len(pieces) - 1}
             if isinstance(piece, bytes):
                 yield OutputDraft(kind, data=piece, meta=meta, flush=streaming)
