@@ -58,23 +58,42 @@ end
 -- Idempotent calls, as Kafka's idempotent producer: every caller of a mutating
 -- script (a "producer": one authority object) numbers its calls on a session and
 -- makes them one at a time, passing the producer id and the number as the last two
--- ARGV. The reply to the last call is kept in the meta hash under w:<producer>; a
--- call whose number is not above it is a retry (its first reply was lost) and gets
--- that reply again, changing nothing. An empty producer id opts out.
+-- ARGV. The reply to the last call is kept in the meta hash under w:<producer>, as
+-- "<number> <the reply's items>" (an 'ok' reply: a status word, numbers and stream
+-- ids, none with a space); a call whose number is not above it is a retry (its first
+-- reply was lost) and gets that reply again, changing nothing. An empty producer id
+-- opts out. (A record written as JSON, "[number, reply]", still reads.)
 local PRODUCER, PSEQ = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
+local RECORD = 'w:' .. tostring(PRODUCER)
+
+-- The reply to repeat for a call whose record is ``raw`` (an HGET of RECORD), or nil.
+local function repeat_of(raw)
+  if PRODUCER == '' or not raw then return nil end
+  if string.byte(raw, 1) == 91 then
+    local last = cjson.decode(raw)
+    if PSEQ <= last[1] then return last[2] end
+    return nil
+  end
+  local number, items = string.match(raw, '^(%d+) (.*)$')
+  if PSEQ > tonumber(number) then return nil end
+  local reply = {}
+  for item in string.gmatch(items, '%S+') do reply[#reply + 1] = tonumber(item) or item end
+  return reply
+end
 
 local function replayed(meta)
   if PRODUCER == '' then return nil end
-  local raw = redis.call('HGET', meta, 'w:' .. PRODUCER)
-  if not raw then return nil end
-  local last = cjson.decode(raw)
-  if PSEQ <= last[1] then return last[2] end
-  return nil
+  return repeat_of(redis.call('HGET', meta, RECORD))
+end
+
+-- The record of ``reply``, to store under RECORD.
+local function record(reply)
+  return PSEQ .. ' ' .. table.concat(reply, ' ')
 end
 
 local function remember(meta, reply)
   if PRODUCER ~= '' then
-    redis.call('HSET', meta, 'w:' .. PRODUCER, cjson.encode({PSEQ, reply}))
+    redis.call('HSET', meta, RECORD, record(reply))
   end
   return reply
 end
@@ -140,10 +159,10 @@ return remember(KEYS[1], {'ok', inc})
 # ARGV: sid mode tail given(0|1) inc ep tu rs producer pseq
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
 APPEND = r"""
-local again = replayed(KEYS[1])
-if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
-  'tkey', 'caps')
+  'tkey', 'caps', RECORD)
+local again = repeat_of(m[10])
+if again then return again end
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
@@ -160,8 +179,6 @@ local seq = tonumber(m[6]) + 1
 local tkey = ep .. ':' .. tu
 local tseq = 1
 if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
-redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
-  'tkey', tkey)
 local event = string.char(0x87)
   .. cmsgpack.pack('t') .. cmsgpack.pack('in')
   .. cmsgpack.pack('fence') .. pack_fence(ARGV[1], inc, ep, tu, rs)
@@ -170,7 +187,16 @@ local event = string.char(0x87)
   .. ARGV[3]
 local id = redis.call('XADD', KEYS[2], '*', 'e', event)
 for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
-return remember(KEYS[1], {'ok', seq, tseq, inc, ep, tu, rs, id})
+local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
+-- The fence, the counters and the call's record in one write.
+if PRODUCER == '' then
+  redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
+    'tkey', tkey)
+else
+  redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
+    'tkey', tkey, RECORD, record(reply))
+end
+return reply
 """
 
 # KEYS: meta
@@ -306,15 +332,16 @@ return 0
 # no fence is.
 PUBLISH = r"""
 if not holds(redis.call('GET', KEYS[2]), ARGV[2]) then return {'lost'} end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'oseq')
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local stage = ARGV[1]
+local p = redis.call('HMGET', KEYS[3], stage .. ':oseq', stage .. ':applied')
 local first_oseq = tonumber(ARGV[6])
-if first_oseq > 0 and first_oseq <= tonumber(redis.call('HGET', KEYS[3], stage .. ':oseq') or '0')
-then
+if first_oseq > 0 and first_oseq <= tonumber(p[1] or '0') then
   return {'ok', 0}
 end
+local to_client = ARGV[5] == '1'
 local groups = {}
 local at = 10
 for g = 1, tonumber(ARGV[8]) do
@@ -330,33 +357,44 @@ for g = 1, tonumber(ARGV[8]) do
   end
   groups[g] = {at + 5, n}
   at = at + 5 + n
-  if ARGV[5] == '1' then at = at + n end
+  if to_client then at = at + n end
 end
-local last_sn = 0
+-- The client journal's seqs continue the session's oseq (its server_event_seq), read
+-- once and written back once: nothing else runs between.
+local sn = tonumber(m[6] or '0')
 local written = 0
 for _, span in ipairs(groups) do
   written = written + span[2]
   for i = span[1], span[1] + span[2] - 1 do
     redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
-    if ARGV[5] == '1' then
-      last_sn = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
-      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', last_sn)
+    if to_client then
+      sn = sn + 1
+      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', sn)
     end
   end
 end
+local last_sn = 0
 if written > 0 then
   local last = #KEYS
-  if ARGV[5] == '1' then
+  if to_client then
+    redis.call('HSET', KEYS[1], 'oseq', sn)
+    last_sn = sn
     ring(KEYS[last], ARGV[9], 'd')
     last = last - 1
   end
   for i = 6, last, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[9], 'd') end
 end
+-- Progress in one write: the applied seq and read position if they moved, the oseq.
+local progress = {}
 local applied = tonumber(ARGV[3])
-if applied > tonumber(redis.call('HGET', KEYS[3], stage .. ':applied') or '0') then
-  redis.call('HSET', KEYS[3], stage .. ':applied', applied, stage .. ':read', ARGV[4])
+if applied > tonumber(p[2] or '0') then
+  progress = {stage .. ':applied', applied, stage .. ':read', ARGV[4]}
 end
-if tonumber(ARGV[7]) > 0 then redis.call('HSET', KEYS[3], stage .. ':oseq', ARGV[7]) end
+if tonumber(ARGV[7]) > 0 then
+  progress[#progress + 1] = stage .. ':oseq'
+  progress[#progress + 1] = ARGV[7]
+end
+if #progress > 0 then redis.call('HSET', KEYS[3], unpack(progress)) end
 return {'ok', last_sn}
 """
 

@@ -129,3 +129,25 @@ async def test_a_connection_reset_during_its_handshake_is_retried(redis_server, 
             assert proxy.dropped == 1
         finally:
             await bus.aclose()
+
+
+async def test_a_call_recorded_as_json_is_still_recognised_as_a_repeat(rig):
+    """Records used to be JSON, ``[number, reply]``; one left in Redis by an earlier
+    version is still read, so a retry across an upgrade appends nothing twice."""
+    import json
+
+    from dataplane.authority import encode_tail
+    from schemas.events import InputMode
+
+    await rig.authority.open("s1")
+    first = await rig.authority.append("s1", "append_text", TextPayload("hello"))
+    recorded = ["ok", first.seq, first.turn_seq, 0, 0, 0, 0, first.entry_id]
+    await rig.bus.hset(rig.sk.meta, {"w:earlier": json.dumps([5, recorded])})
+    tail = encode_tail(InputMode.APPEND_TEXT, TextPayload("hello"), 0)
+    args = ["s1", "append_text", tail, "0", 0, 0, 0, 0, "earlier", 5]
+    reply = await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
+    assert reply == recorded and await rig.bus.xlen(rig.sk.input) == 1
+    # A new number is a new call.
+    args[-1] = 6
+    reply = await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
+    assert reply[:2] == ["ok", 2] and await rig.bus.xlen(rig.sk.input) == 2
