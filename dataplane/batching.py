@@ -9,9 +9,19 @@ and sends them as one pipeline (no transaction) on the next turn; under load,
 a batch that would follow the previous one within the linger
 (``dataplane.pacing``) waits out the rest and carries what came meanwhile.
 
+Several calls of one script in a batch go as one call of its *multi* form
+(``multi_script``): the script run once per call inside one EVALSHA, each call
+with its own KEYS and ARGV and its own reply (an error in one is that call's
+error only). In Redis a script call costs a few microseconds before it does
+anything (parsing the command, finding the script, entering Lua), and that is
+paid once per batch instead of once per call (``tests/test_pacing.py``). The
+calls of a multi run one after the other, atomically together, which is
+stronger than each one atomic.
+
 Ordering. A producer makes its calls on one session one at a time (it waits
 for each reply), so two calls that must stay in order are never in the same
-batch, and each batch keeps the order in which its calls were made.
+batch: calls in one batch are independent, and each script's calls keep the
+order in which they were made.
 
 Retries. A batch lost with its connection is sent again as a whole; every
 script recognises a repeat (``dataplane.scripts``). A call refused with
@@ -22,7 +32,8 @@ scripts are loaded and those calls are sent again, in their order.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
@@ -31,6 +42,49 @@ from dataplane.pacing import Pacer
 
 MAX_BATCH = 256
 """Most calls one pipeline carries; a turn with more sends several."""
+
+_MULTI_LOOP = """
+local all_keys, all_args = KEYS, ARGV
+local replies = {}
+local at_key, at_arg = 1, 2
+for c = 1, tonumber(all_args[1]) do
+  local nkeys, nargs = tonumber(all_args[at_arg]), tonumber(all_args[at_arg + 1])
+  at_arg = at_arg + 2
+  KEYS = {unpack(all_keys, at_key, at_key + nkeys - 1)}
+  ARGV = {unpack(all_args, at_arg, at_arg + nargs - 1)}
+  at_key = at_key + nkeys
+  at_arg = at_arg + nargs
+  local ok, reply = pcall(run)
+  if not ok then
+    reply = {err = tostring(reply)}
+  elseif reply == nil then
+    reply = false
+  end
+  replies[c] = reply
+end
+return replies
+"""
+
+
+class Multi:
+    """A script's multi form: ARGV is the number of calls, then for each call the
+    number of its keys and of its args, then its args; KEYS are the calls' keys one
+    after the other. Replies: one per call, in order."""
+
+    __slots__ = ("script", "sent", "sha")
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+        self.sent = False
+        """Sent (or loaded) once already by this batcher."""
+
+
+def multi_script(script: str) -> Multi:
+    """``script`` run once per call, its KEYS and ARGV (the upvalues it reads) set for
+    each, its error caught as that call's error reply."""
+    text = "local KEYS, ARGV = KEYS, ARGV\nlocal function run()\n" + script + "\nend\n"
+    return Multi(text + _MULTI_LOOP)
 
 
 class _Call:
@@ -88,6 +142,8 @@ class ScriptBatcher:
         """A batch that would follow the previous one within the linger waits for it."""
         self._pending: list[_Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._multis: dict[str, Multi] = {}
+        """Each script's multi form, by the script's sha."""
 
     async def run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run ``script``; its reply comes once the batch it joined is answered."""
@@ -128,17 +184,51 @@ class ScriptBatcher:
 
     async def _send_once(self, calls: list[_Call]) -> list[_Call]:
         """Send ``calls``; settle their futures; return those refused with NOSCRIPT."""
-        replies = await self.pipe.pipeline(
-            [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
-        )
+        groups: dict[str, list[_Call]] = {}
+        for call in calls:
+            groups.setdefault(call.script.sha, []).append(call)
+        commands = [self._command(group) for group in groups.values()]
+        # A multi form this batcher has not sent yet is loaded ahead of its first use, in
+        # the same round trip (after a Redis restart, NOSCRIPT reloads it as any script).
+        loads = [("SCRIPT", "LOAD", m.script) for m in self._multis.values() if not m.sent]
+        for multi in self._multis.values():
+            multi.sent = True
+        replies = (await self.pipe.pipeline(loads + commands))[len(loads) :]
         missing: list[_Call] = []
-        for call, reply in zip(calls, replies, strict=True):
+        for group, reply in zip(groups.values(), replies, strict=True):
             if isinstance(reply, NoScriptError):
-                missing.append(call)
+                missing += group
+            elif len(group) == 1:
+                _settle(group[0], reply)
+            elif isinstance(reply, BaseException):
+                for call in group:
+                    _settle(call, reply)
             else:
-                _settle(call, reply)
+                for call, each in zip(group, reply, strict=True):
+                    _settle(call, each)
         return missing
 
-    async def _load(self, scripts: Any) -> None:
+    def _command(self, group: list[_Call]) -> tuple[Any, ...]:
+        """One EVALSHA for ``group``, calls of one script: the script itself for a lone
+        call, its multi form for several."""
+        if len(group) == 1:
+            call = group[0]
+            return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+        keys: list[Any] = []
+        args: list[Any] = [len(group)]
+        for call in group:
+            keys += call.keys
+            args += (len(call.keys), len(call.args), *call.args)
+        return ("EVALSHA", self._multi(group[0].script).sha, len(keys), *keys, *args)
+
+    def _multi(self, script: Any) -> Multi:
+        multi = self._multis.get(script.sha)
+        if multi is None:
+            multi = self._multis[script.sha] = multi_script(script.script)
+        return multi
+
+    async def _load(self, scripts: Iterable[Any]) -> None:
         for script in scripts:
             await self.pipe.load(script.script)
+            if script.sha in self._multis:
+                await self.pipe.load(self._multis[script.sha].script)

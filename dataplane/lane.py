@@ -49,10 +49,11 @@ RETRIES = 60
 _RETRY_ON = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-def as_error(reply: hiredis.ReplyError) -> RedisError:
-    """redis-py's exception for an error reply (``NoScriptError`` for NOSCRIPT, ...)."""
-    error = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
-    return error if isinstance(error, RedisError) else ResponseError(str(reply))
+def as_error(message: str) -> RedisError:
+    """redis-py's exception for an error reply (``NoScriptError`` for NOSCRIPT, ...);
+    hiredis builds one for every error reply, nested ones included."""
+    error = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    return error if isinstance(error, RedisError) else ResponseError(message)
 
 
 class _Waiter:
@@ -68,7 +69,7 @@ class _Protocol(asyncio.Protocol):
     """The socket: writes what it is given, hands each reply to the oldest waiter."""
 
     def __init__(self) -> None:
-        self.reader = hiredis.Reader()
+        self.reader = hiredis.Reader(replyError=as_error)
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -154,10 +155,9 @@ class Lane:
         while True:
             try:
                 replies = await self._send(commands, extra_timeout_s)
-                if any(isinstance(r, hiredis.ReplyError) and str(r).startswith("LOADING")
-                       for r in replies):  # fmt: skip
+                if any(isinstance(reply, BusyLoadingError) for reply in replies):
                     raise BusyLoadingError("Redis is loading its data")
-                return [as_error(r) if isinstance(r, hiredis.ReplyError) else r for r in replies]
+                return replies
             except _RETRY_ON:
                 failures += 1
                 if failures > RETRIES or self._closed:
@@ -228,6 +228,6 @@ class Lane:
             protocol.abort()
             raise
         for reply in replies:
-            if isinstance(reply, hiredis.ReplyError):
+            if isinstance(reply, Exception):
                 protocol.abort()
-                raise as_error(reply)
+                raise reply
