@@ -38,11 +38,9 @@ from urllib.parse import unquote, urlsplit
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, RedisError, ResponseError
+from redis.exceptions import BusyLoadingError, DataError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from dataplane.packing import pack
 
 RETRIES = 60
 """Attempts after the first one, as ``RedisBus``'s client makes (about 30 s in all)."""
@@ -178,7 +176,10 @@ class Lane:
         protocol = self._protocol
         if protocol is None or protocol.closed:
             protocol = await self._connect()
-        buffer = b"".join(pack(tuple(command)) for command in commands)
+        try:  # the lane's command names are single words: hiredis packs them as they are
+            buffer = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
+        except TypeError as exc:
+            raise DataError(str(exc)) from exc
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(_Waiter(future, len(commands)))
         cast(asyncio.Transport, protocol.transport).write(buffer)

@@ -217,3 +217,15 @@ def test_a_lane_serves_on_uvloop_as_the_coordinator_runs(redis_server):
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(talk()) == [b"PONG", b"uv"]
+
+
+async def test_an_argument_redis_cannot_take_is_refused_before_anything_is_sent(redis_server):
+    from redis.exceptions import DataError
+
+    lane = lane_of(redis_server.url)
+    try:
+        with pytest.raises(DataError):
+            await lane.pipeline([("SET", "k", None)])
+        assert await lane.execute("PING") == b"PONG"
+    finally:
+        await lane.aclose()

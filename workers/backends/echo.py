@@ -59,6 +59,12 @@ _NAMING = ("item", "typed", "role", "segment", "commit_seq")
 """Meta keys that say what an output is (``schemas.items``), echoed with it."""
 
 
+def _draft(kind: OutputKind, piece: Any, meta: dict[str, Any], *, flush: bool) -> OutputDraft:
+    if isinstance(piece, bytes):
+        return OutputDraft(kind, data=piece, meta=meta, flush=flush)
+    return OutputDraft(kind, text=piece, meta=meta, flush=flush)
+
+
 def _split(data: bytes | str, parts: int) -> list[Any]:
     size = max(1, -(-len(data) // parts))
     return [data[i : i + size] for i in range(0, len(data), size)] or [data]
@@ -177,14 +183,13 @@ class EchoBackend:
             # What names the echoed output passes on with it (whose item, typed or
             # heard, the assistant's or the user's): the echo is the same thing again.
             source |= {k: v for k, v in event.meta.items() if k in _NAMING}
-        pieces = _split(content, self.chunks) if kind is not OutputKind.DONE else [content]
-        streaming = len(pieces) > 1
+        if self.chunks == 1 or kind is OutputKind.DONE:
+            yield _draft(kind, content, {**source, "chunk": 0, "last": True}, flush=False)
+            return
+        pieces = _split(content, self.chunks)
         for index, piece in enumerate(pieces):
             meta = {**source, "chunk": index, "last": index == len(pieces) - 1}
-            if isinstance(piece, bytes):
-                yield OutputDraft(kind, data=piece, meta=meta, flush=streaming)
-            else:
-                yield OutputDraft(kind, text=piece, meta=meta, flush=streaming)
+            yield _draft(kind, piece, meta, flush=len(pieces) > 1)
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
         edit = session_payload_of(event) if isinstance(event, InputEvent) else None
