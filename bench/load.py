@@ -251,10 +251,14 @@ async def saturate(
     seconds: float,
     warmup: float,
     window: int,
-    senders: int = 32,
+    senders: int | None = None,
 ) -> dict[str, Any]:
     """Send as fast as deliveries come back (at most ``window`` in flight); events/s
-    delivered over the last ``seconds``."""
+    delivered over the last ``seconds``. One sender per session unless ``senders`` says
+    otherwise: a session's appends are taken one at a time (its client waits for each),
+    so that is the most the sessions can offer; fewer senders than sessions held the
+    offered load below what one worker takes."""
+    senders = senders or len(session_ids)
     slots = asyncio.Semaphore(window)
     collector.on_delivery = lambda _sid, _n, _lat: slots.release()
     began = now_ns()

@@ -14,7 +14,7 @@ Measured here:
 - ``round_trip``: one message in flight at a time; ``hop`` is the one-way
   part (XADD to the peer's XREADGROUP returning), from the same messages;
 - ``unbatched``: a stream of messages, one command per message on every
-  side (32 concurrent senders, one serial reader per side): the throughput
+  side (64 concurrent senders, one serial reader per side): the throughput
   limit of per-event commands;
 - ``batched``: the same with 64-message pipelines and batch reads/acks:
   the throughput limit a batching consumer can approach;
@@ -48,8 +48,9 @@ from bench.raw_peer import GROUP, ensure_group
 
 CHUNK = bytes(1280)
 BATCH = 64
-PRODUCERS = 32
-"""Concurrent senders of the unbatched stream (the pipeline benchmarks' client uses 32)."""
+PRODUCERS = 64
+"""Concurrent senders of the unbatched stream: as many as the throughput benchmark's
+client has (one per session)."""
 
 
 def _client(url: str) -> aioredis.Redis:

@@ -33,8 +33,8 @@ def raw_section(s: dict[str, Any] | None) -> str:
         "16-bit audio) and a bare echo process (`bench/raw_peer.py`) in place of the\n"
         "worker: no fences, leases, Lua or encoding. It is the reference for every latency\n"
         "below. The raw streams push many messages through the same two hops: *unbatched*\n"
-        "with one command per message on every side (32 concurrent senders, like the\n"
-        "pipeline benchmarks' client), *batched* with 64 messages per pipeline, read and\n"
+        "with one command per message on every side (64 concurrent senders, as many as\n"
+        "the throughput benchmark's sessions), *batched* with 64 messages per pipeline, read and\n"
         "ack. They are the references for throughput, and their CPU time per message the\n"
         "reference for what an event costs.\n"
     )
@@ -143,7 +143,8 @@ def throughput_section(s: dict[str, Any] | None) -> str:
     workers = ", ".join(str(p["workers"]) for p in s["points"]) or "-"
     out.append(
         f"The client sends 40 ms chunks over {first.get('sessions', '-')} sessions as fast as "
-        f"their echoes come back ({first.get('window', '-')} events in flight at most)\n"
+        f"their echoes come back ({first.get('window', '-')} events in flight at most, one\n"
+        "sender per session: a session's appends are taken one at a time)\n"
         f"through one coordinator and {workers} echo worker processes. Events/s are\n"
         "deliveries per second once warm. References: the raw Python streams of section 1,\n"
         "measured in the same run. The batched stream is the limit (64 messages per command\n"
