@@ -32,6 +32,7 @@ from bench.common import (
 )
 from bench.load import Collector, open_sessions, prime
 from coordinator.service import Coordinator
+from dataplane import heap
 from schemas.config import Settings, echo_pipeline
 
 STAGE = "echo"
@@ -70,6 +71,7 @@ async def echo_rig(
     pipeline = echo_pipeline(STAGE)
     pool = WorkerPool(settings, pipeline, STAGE, log_dir / name)
     coordinator = Coordinator(settings, pipeline)
+    heap.settle()  # as ``duplexq coordinator`` does once it has started
     collector = Collector(coordinator)
     try:
         pool.start(workers)

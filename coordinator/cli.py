@@ -29,6 +29,7 @@ from coordinator.local_stack import (
     check_stage_options,
     demonstrate,
 )
+from dataplane import heap
 from dataplane.bus import RedisBus
 from dataplane.config import (
     RedisUnreachable,
@@ -155,6 +156,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         pipeline.name, " -> ".join(pipeline.stage_names), host, port,
         redacted(settings.redis_url),
     )  # fmt: skip
+    heap.settle()  # what was imported and built to start is long-lived
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=args.log_level,
                 ws_max_size=settings.max_event_bytes)  # fmt: skip
     return 0

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("duplexq.worker").error("%s; retrying", exc)
     log = logging.getLogger("duplexq.worker")
     try:
-        worker = Worker(settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst)
+        worker = Worker(
+            settings, pipeline, args.stage, worker_id=args.worker_id, burst=args.burst,
+            settle_heap=True,
+        )  # fmt: skip
     except ValueError as exc:  # the stage's options (a backend refuses them as it starts)
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ from enum import Enum, auto
 
 import redis.asyncio as aioredis
 
+from dataplane import heap
 from dataplane.authority import SessionAuthority
 from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
@@ -95,6 +96,7 @@ class Worker:
         worker_id: str | None = None,
         burst: bool = False,
         backend: StageBackend | None = None,
+        settle_heap: bool = False,
     ) -> None:
         self.settings = settings
         self.pipeline = pipeline
@@ -102,6 +104,10 @@ class Worker:
         self.stage = stage
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{stage}"
         self.burst = burst
+        self.settle_heap = settle_heap
+        """Once the model is loaded, exempt what exists from garbage collection
+        (``dataplane.heap``): for a worker process of its own, not one embedded in
+        another program."""
         self.capacity = self.stage_config.capacity or settings.worker_capacity
         self.bus = RedisBus(
             settings.redis_url, Keys(settings.key_prefix), linger_ms=settings.linger_ms
@@ -156,6 +162,8 @@ class Worker:
             # Recorded before the first heartbeat: a live worker is a loaded one.
             await announce(self.bus, self.stage, self.worker_id, model)
             self.model = model
+            if self.settle_heap:
+                heap.settle()  # the model and everything loaded with it are long-lived
             self.state = WorkerState.RUNNING
             loaded = f" ({model.model}, loaded in {model.load_s:.1f} s)" if model.model else ""
             log.info("worker %s serving stage %s%s", self.worker_id, self.stage, loaded)
