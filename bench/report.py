@@ -102,7 +102,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
             continue
         rows.append(["2", f"latency at {p['sessions']:,} session(s), p50 / p99"
                      + ("" if p["served"] else " (not served: saturated)"),
-                     ms_pair(p["latency"]),
+                     f"{ms_pair(p['latency'])}; added p99 {f(p['added_p99_ms'], 1)} ms",
                      "raw round trip " + ms_pair(p.get("reference_round_trip") or ok.get(
                          "latency", {}).get("reference_round_trip", {})),
                      f"{x(p['ratio_p50'])} / {x(p['ratio_p99'])}"])  # fmt: skip

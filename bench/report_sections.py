@@ -165,8 +165,9 @@ def throughput_section(s: dict[str, Any] | None) -> str:
          "ratio", "p50 ms", "p99 ms", "lost", "CPU us per event",
          "CPU (% of one core)"], rows))  # fmt: skip
     out.append(
-        "\nEach pipeline event costs one append script (the session authority), a share of\n"
-        "a blocking read and of a publish script in the worker, and a share of a read in the\n"
+        "\nEach pipeline event costs one run of the append script (the session authority;\n"
+        "the appends of one round go in one script call, `dataplane.batching`), a share of a\n"
+        "blocking read and of a publish run in the worker, and a share of a read in the\n"
         "output reader: more Redis and Python work than one raw message. CPU microseconds\n"
         "per event, against the raw streams' in section 1, say what an event costs\n"
         "whatever else runs on the machine; the CPU % column shows which process ran out\n"
