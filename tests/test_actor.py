@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from schemas.events import OutputKind
+from schemas.events import OutputKind, TextPayload
 from tests.actor_helpers import cancel_of, owned_actor, text_input
 
 
@@ -137,3 +137,42 @@ async def test_an_answer_at_once_that_raises_becomes_the_events_error(redis_serv
         assert [(e.kind, e.text, e.meta) for e in actor._pending] == [
             (OutputKind.ERROR, "no answer", {"code": "backend_error"})
         ]
+
+
+async def test_batches_queued_meanwhile_are_applied_together_with_one_publish(
+    redis_server, key_prefix
+):
+    """Under load batches queue up while the one before is published: the next apply
+    takes them all, in order, and publishes once."""
+    from dataplane.authority import SessionAuthority
+    from schemas.events import decode_output
+    from tests.actor_helpers import PIPELINE, STAGE
+    from workers.backends.echo import EchoBackend
+
+    async with owned_actor(redis_server, key_prefix, backend=EchoBackend({})) as actor:
+        bus = actor.ownership.bus
+        authority = SessionAuthority(bus, PIPELINE)
+        for text in ("a", "b", "c", "d"):
+            await authority.append(actor.session_id, "append_text", TextPayload(text))
+        log = await bus.xrange(bus.keys.session(actor.session_id).input)
+        actor.enqueue(log[:1])
+        actor.enqueue(log[1:3])
+        actor.enqueue([])  # a wake-up (a proactive draft, an end) in between
+        actor.enqueue(log[3:])
+        publishes = 0
+        real_publish = actor.ownership.publish
+
+        async def counted(*args, **kwargs):
+            nonlocal publishes
+            publishes += 1
+            return await real_publish(*args, **kwargs)
+
+        actor.ownership.publish = counted  # type: ignore[method-assign]
+        batch = await actor.next_batch()
+        assert [e.id for e in batch] == [e.id for e in log] and actor.queue.empty()
+        assert actor.pending(0)[0] == 4
+        await actor.apply(batch)
+        assert publishes == 1 and actor.pending(0) == (0, 0.0) and actor.applied_seq == 4
+        stream = bus.keys.session(actor.session_id).stage_out(STAGE)
+        published = [decode_output(e.fields[b"e"]).text for e in await bus.xrange(stream)]
+        assert published == ["a", "b", "c", "d"]

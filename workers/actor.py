@@ -178,6 +178,18 @@ class SessionActor:
             self.backlog.append((int(batch[0].id.split("-", 1)[0]), len(batch)))
         self.queue.put_nowait(batch)
 
+    async def next_batch(self) -> list[Entry]:
+        """The entries to apply next: every batch queued by now, as one. Under load
+        batches queue up while the one before is published; applied together they
+        cost one publish instead of one each."""
+        batch = await self.queue.get()
+        if self.queue.empty():
+            return batch
+        merged = list(batch)
+        while not self.queue.empty():
+            merged += self.queue.get_nowait()
+        return merged
+
     def pending(self, now_ms: int) -> tuple[int, float]:
         """(entries read but not applied, seconds since the oldest was written)."""
         if not self.backlog:
@@ -225,8 +237,9 @@ class SessionActor:
                     break
                 self._stage_proactive()
         finally:
-            if entries and self.backlog:
-                self.backlog.popleft()
+            covered = len(entries)  # whole queued batches (``next_batch``)
+            while covered > 0 and self.backlog:
+                covered -= self.backlog.popleft()[1]
             if self.queue.empty():
                 self.idle.set()
 

@@ -350,7 +350,7 @@ class Worker:
     async def _serve(self, actor: SessionActor) -> None:
         try:
             while actor.active:
-                batch = await actor.queue.get()
+                batch = await actor.next_batch()
                 if actor.session_id in self._data.pending:
                     self._data.ready.set()  # it was held back while its queue was full
                 try:
