@@ -14,7 +14,7 @@ Several calls of one script in a batch go as one call of its *multi* form
 with its own KEYS and ARGV and its own reply (an error in one is that call's
 error only). In Redis a script call costs a few microseconds before it does
 anything (parsing the command, finding the script, entering Lua), and that is
-paid once per batch instead of once per call (``tests/test_pacing.py``). The
+paid once per batch instead of once per call (``tests/test_batching.py``). The
 calls of a multi run one after the other, atomically together, which is
 stronger than each one atomic.
 

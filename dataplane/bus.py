@@ -4,12 +4,16 @@ Connections, retries, script loading, consumer groups, claiming, trimming and
 the shapes of Redis replies are handled here; the rest of duplexq sees plain
 ``Entry`` tuples and typed results.
 
-Connections. ``RedisBus.client`` is a pool for short commands. Each blocking
-reader gets its own single-connection client (``RedisBus.reader()``) whose
-socket timeout exceeds its block time: a blocking XREAD(GROUP) must not be
-cut by the socket timeout, and a cancelled blocking read can leave its
-connection out of step, so readers are never shared and loops let BLOCK
-expire instead of cancelling reads.
+Connections. ``RedisBus.client`` is a redis-py pool for short commands. On a
+plain-TCP Redis the hot path (every script call, the stream reads of the data
+and journal rounds) goes over ``RedisBus.lane`` instead, one pipelined
+connection (``dataplane.lane``), and each bell reader blocks on a lane of its
+own (``stream_reader``); elsewhere (TLS, unix sockets, a cluster) they use the
+pool and redis-py readers. Each blocking reader has its own connection, whose
+timeout exceeds its block time: a blocking XREAD(GROUP) must not be cut by the
+timeout, and a blocking read on a shared connection would hold up everyone
+behind it; loops let BLOCK expire instead of cancelling reads (a redis-py
+connection whose read is cancelled falls out of step).
 
 Retries. Connection errors are retried with backoff (a Redis restart is a
 pause, not a crash), including a reset during a connection's handshake when

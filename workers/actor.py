@@ -17,8 +17,13 @@ Per entry the decision is (``decide``, pure):
 Backend work for one event runs in a producer task that only talks to the
 backend; drafts come back through a queue and are published by the actor
 itself, so cancelling the producer (on a cancel control) never interrupts a
-Redis call. Non-flush drafts of a batch are published together with the
-progress cursor in one atomic step, which is what makes application
+Redis call. A backend that has an event's whole answer at once gives it from
+``answer_now`` instead (nothing to wait for, so nothing to cancel), and the
+actor stages it directly. The batches the data reader queued while the actor
+was busy are applied as one (``next_batch``).
+
+Non-flush drafts of a batch are published together with the progress cursor in
+one atomic step, which is what makes application
 exactly-once: a crash before that step re-delivers the events, after it they
 are skipped by ``seq``.
 
