@@ -16,7 +16,10 @@ error only). In Redis a script call costs a few microseconds before it does
 anything (parsing the command, finding the script, entering Lua), and that is
 paid once per batch instead of once per call (``tests/test_batching.py``). The
 calls of a multi run one after the other, atomically together, which is
-stronger than each one atomic.
+stronger than each one atomic. A script with the shared prelude
+(``dataplane.scripts``) has its functions defined once per multi, and its
+calls' rings written once per bell when all of them have run
+(``tests/test_doorbells.py``).
 
 Ordering. A producer makes its calls on one session one at a time (it waits
 for each reply), so two calls that must stay in order are never in the same
@@ -39,6 +42,7 @@ from typing import Any, Protocol
 from redis.exceptions import NoScriptError
 
 from dataplane.pacing import Pacer
+from dataplane.scripts import BODY_MARK
 
 MAX_BATCH = 256
 """Most calls one pipeline carries; a turn with more sends several."""
@@ -46,6 +50,7 @@ MAX_BATCH = 256
 _MULTI_LOOP = """
 local all_keys, all_args = KEYS, ARGV
 local replies = {}
+START()
 local at_key, at_arg = 1, 2
 for c = 1, tonumber(all_args[1]) do
   local nkeys, nargs = tonumber(all_args[at_arg]), tonumber(all_args[at_arg + 1])
@@ -62,6 +67,7 @@ for c = 1, tonumber(all_args[1]) do
   end
   replies[c] = reply
 end
+FINISH()
 return replies
 """
 
@@ -82,9 +88,15 @@ class Multi:
 
 def multi_script(script: str) -> Multi:
     """``script`` run once per call, its KEYS and ARGV (the upvalues it reads) set for
-    each, its error caught as that call's error reply."""
-    text = "local KEYS, ARGV = KEYS, ARGV\nlocal function run()\n" + script + "\nend\n"
-    return Multi(text + _MULTI_LOOP)
+    each, its error caught as that call's error reply. What comes before the script's
+    ``BODY_MARK`` (the shared prelude's functions) is defined once, not per call."""
+    shared, mark, own = script.rpartition(BODY_MARK)
+    loop = _MULTI_LOOP.replace("START()", "multi_start()").replace("FINISH()", "multi_finish()")
+    if not mark:
+        shared, own = "", script
+        loop = _MULTI_LOOP.replace("START()", "").replace("FINISH()", "")
+    text = f"local KEYS, ARGV = KEYS, ARGV\n{shared}\nlocal function run()\n{own}\nend\n"
+    return Multi(text + loop)
 
 
 class _Call:

@@ -13,6 +13,9 @@ missed rings (a bell is capped at ``BELL_LENGTH``; a reader started after the
 ring) finds the sessions anyway, because a session is read once when it is
 taken or attached, and every session is swept (read without a ring) every
 ``sweep_ms``. Rings for sessions the reader does not follow are ignored.
+
+A ring entry names its sessions as fields (``rings_of``): the calls of one
+script batch ring each bell once, with one field per session rung.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ RING_BATCH = 1024
 
 OnRing = Callable[[str, str], None]
 """Called with (session id, kind) for each ring: ``d`` data, ``c`` control."""
+
+
+def rings_of(fields: dict[bytes, bytes]) -> list[tuple[str, str]]:
+    """The (session id, kind) rings of one bell entry: a field ``:<session id>`` valued
+    with its kind per session (``dataplane.scripts``), or, as written before,
+    ``s=<session id>`` and ``k=<kind>``."""
+    if b"s" in fields:
+        return [(fields[b"s"].decode(), fields.get(b"k", b"d").decode())]
+    return [(f[1:].decode(), k.decode()) for f, k in fields.items() if f[:1] == b":"]
 
 
 class BellReader:
@@ -86,9 +98,8 @@ class BellReader:
             pacer.carried(len(entries))
             for entry in entries:
                 cursors[entry.stream] = entry.id
-                session_id = entry.fields.get(b"s")
-                if session_id is not None:
-                    self.on_ring(session_id.decode(), entry.fields.get(b"k", b"d").decode())
+                for session_id, kind in rings_of(entry.fields):
+                    self.on_ring(session_id, kind)
 
 
 class Dirty:

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from schemas.keys import BELL_LENGTH
 
+BODY_MARK = "-- per call --"
+"""Where the shared definitions end and a call's own part begins: a multi
+(``dataplane.batching``) defines the functions once and runs the rest per call."""
+
 PRELUDE = (
     f"local BELL_LENGTH = {BELL_LENGTH}\n"
     + r"""
@@ -63,8 +67,12 @@ end
 -- ids, none with a space); a call whose number is not above it is a retry (its first
 -- reply was lost) and gets that reply again, changing nothing. An empty producer id
 -- opts out. (A record written as JSON, "[number, reply]", still reads.)
-local PRODUCER, PSEQ = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
-local RECORD = 'w:' .. tostring(PRODUCER)
+-- Set for each call by ``begin`` (a multi runs several calls on one set of functions).
+local PRODUCER, PSEQ, RECORD
+local function begin()
+  PRODUCER, PSEQ = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
+  RECORD = 'w:' .. tostring(PRODUCER)
+end
 
 -- The reply to repeat for a call whose record is ``raw`` (an HGET of RECORD), or nil.
 local function repeat_of(raw)
@@ -74,10 +82,12 @@ local function repeat_of(raw)
     if PSEQ <= last[1] then return last[2] end
     return nil
   end
-  local number, items = string.match(raw, '^(%d+) (.*)$')
+  local number = string.match(raw, '^%d+')
   if PSEQ > tonumber(number) then return nil end
   local reply = {}
-  for item in string.gmatch(items, '%S+') do reply[#reply + 1] = tonumber(item) or item end
+  for item in string.gmatch(string.sub(raw, #number + 2), '%S+') do
+    reply[#reply + 1] = tonumber(item) or item
+  end
   return reply
 end
 
@@ -99,9 +109,39 @@ local function remember(meta, reply)
 end
 
 -- Tell a consumer that a session's streams for it changed (kind 'd': data,
--- 'c': control). The bell is capped; readers sweep now and then for lost rings.
+-- 'c': control). The bell is capped; readers sweep now and then for lost rings. A
+-- ring entry names its sessions as fields, ':' and the session id, each valued with
+-- its kind. In a multi (``multi_start``) the rings wait in RINGS and each bell gets one
+-- entry for all of them once every call has run: still the same atomic step.
+local RINGS
 local function ring(bell, sid, kind)
-  redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', 's', sid, 'k', kind)
+  if not RINGS then
+    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', ':' .. sid, kind)
+    return
+  end
+  local queued = RINGS[bell]
+  if not queued then
+    queued = {}
+    RINGS[bell] = queued
+    RINGS[#RINGS + 1] = bell
+  end
+  if queued[sid] ~= 'c' then queued[sid] = kind end  -- control also wakes data
+end
+
+local function multi_start()
+  RINGS = {}
+end
+
+local function multi_finish()
+  for _, bell in ipairs(RINGS) do
+    local fields = {}
+    for sid, kind in pairs(RINGS[bell]) do
+      fields[#fields + 1] = ':' .. sid
+      fields[#fields + 1] = kind
+    end
+    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', unpack(fields))
+  end
+  RINGS = nil
 end
 
 -- Ring a stage: the bell of the worker holding the session's lease on it (the
@@ -127,6 +167,8 @@ local function barrier(control, sid)
   end
 end
 """
+    + BODY_MARK
+    + "\nbegin()\n"
 )
 
 # KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
@@ -179,23 +221,36 @@ local seq = tonumber(m[6]) + 1
 local tkey = ep .. ':' .. tu
 local tseq = 1
 if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
-local event = string.char(0x87)
-  .. cmsgpack.pack('t') .. cmsgpack.pack('in')
-  .. cmsgpack.pack('fence') .. pack_fence(ARGV[1], inc, ep, tu, rs)
-  .. cmsgpack.pack('seq') .. cmsgpack.pack(seq)
-  .. cmsgpack.pack('turn_seq') .. cmsgpack.pack(tseq)
+-- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in tail.
+local event = '\135'
+  .. cmsgpack.pack('t', 'in', 'fence', {ARGV[1], inc, ep, tu, rs}, 'seq', seq, 'turn_seq', tseq)
   .. ARGV[3]
 local id = redis.call('XADD', KEYS[2], '*', 'e', event)
 for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
--- The fence, the counters and the call's record in one write.
-if PRODUCER == '' then
-  redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
-    'tkey', tkey)
-else
-  redis.call('HSET', KEYS[1], 'epoch', ep, 'turn', tu, 'resp', rs, 'seq', seq, 'tseq', tseq,
-    'tkey', tkey, RECORD, record(reply))
+-- The counters, the fence and the turn key where they moved, and the call's record,
+-- in one write. The record is built from the fence's own text (the call's or the
+-- stored one): formatting numbers is a large part of a short script's time.
+local changes = {'seq', seq, 'tseq', tseq}
+if ep ~= cep or tu ~= ctu or rs ~= crs then
+  changes[5], changes[6], changes[7], changes[8], changes[9], changes[10] =
+    'epoch', ep, 'turn', tu, 'resp', rs
 end
+if tkey ~= m[8] then
+  changes[#changes + 1] = 'tkey'
+  changes[#changes + 1] = tkey
+end
+if PRODUCER ~= '' then
+  local text
+  if ARGV[4] == '1' then
+    text = table.concat(ARGV, ' ', 5, 8)
+  else
+    text = m[2] .. ' ' .. m[3] .. ' ' .. m[4] .. ' ' .. m[5]
+  end
+  changes[#changes + 1] = RECORD
+  changes[#changes + 1] = ARGV[#ARGV] .. ' ok ' .. seq .. ' ' .. tseq .. ' ' .. text .. ' ' .. id
+end
+redis.call('HSET', KEYS[1], unpack(changes))
 return reply
 """
 
@@ -410,11 +465,9 @@ if again then return again end
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
 if not m[1] then return {'missing'} end
 local n = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
-local event = string.char(0x8b)
-  .. cmsgpack.pack('t') .. cmsgpack.pack('out')
-  .. cmsgpack.pack('fence') .. pack_fence(ARGV[1], tonumber(m[2]), tonumber(m[3]),
-    tonumber(m[4]), tonumber(m[5]))
-  .. cmsgpack.pack('seq') .. cmsgpack.pack(n)
+local event = '\139'
+  .. cmsgpack.pack('t', 'out', 'fence', {ARGV[1], tonumber(m[2]), tonumber(m[3]),
+    tonumber(m[4]), tonumber(m[5])}, 'seq', n)
   .. ARGV[2]
 redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
 ring(KEYS[3], ARGV[1], 'd')

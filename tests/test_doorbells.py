@@ -9,11 +9,15 @@ partition.
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import pytest
 
 from coordinator.control import ControlState, _forget_dead_workers
 from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
+from dataplane.bells import rings_of
 from dataplane.bus import RedisBus
 from dataplane.readiness import withdraw
 from schemas.config import echo_pipeline
@@ -30,7 +34,7 @@ async def rings(bus: RedisBus, consumer: str) -> list[tuple[str, str]]:
     out = []
     for bell in bus.keys.bells(consumer):
         for entry in await bus.xrange(bell):
-            out.append((entry.fields[b"s"].decode(), entry.fields[b"k"].decode()))
+            out += rings_of(entry.fields)
     return out
 
 
@@ -78,9 +82,43 @@ async def test_a_publish_rings_the_next_stages_holder_and_the_coordinators(redis
         await bus.aclose()
 
 
-async def test_a_stage_of_two_workers_answers_every_session_without_sweeps(redis_url, key_prefix):
+async def test_the_appends_of_one_batch_ring_each_bell_once(redis_server, key_prefix):
+    """Appends sent together run as one multi (``dataplane.batching``): each worker's bell
+    gets one entry naming every session of the batch it holds, and no other bell one."""
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, PIPELINE)
+        holders = {"s1": "w1", "s2": "w1", "s3": "w2", "s4": None}
+        for sid, worker in holders.items():
+            await authority.open(sid)
+            if worker:
+                ownership = StageOwnership(bus, PIPELINE, "echo", worker, 5000)
+                assert (await ownership.acquire(sid, 0))[1] is not None
+        await asyncio.gather(
+            *(authority.append(sid, "append_text", TextPayload("x")) for sid in holders)
+        )
+        for worker, held in (("w1", {"s1", "s2"}), ("w2", {"s3"})):
+            entries = [e for b in bus.keys.bells(worker_bell("echo", worker))
+                       for e in await bus.xrange(b)]  # fmt: skip
+            assert len(entries) == 1
+            assert sorted(rings_of(entries[0].fields)) == [(sid, "d") for sid in sorted(held)]
+    finally:
+        await bus.aclose()
+
+
+def test_a_ring_entry_reads_in_both_forms():
+    assert rings_of({b":a b": b"d", b":s": b"c"}) == [("a b", "d"), ("s", "c")]
+    assert rings_of({b"s": b"s1", b"k": b"c"}) == [("s1", "c")]  # as written before
+    assert rings_of({b"s": b"s1"}) == [("s1", "d")]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one by one", "together"])
+async def test_a_stage_of_two_workers_answers_every_session_without_sweeps(
+    redis_url, key_prefix, together
+):
     """With sweeps ten minutes apart, every answer below comes from a ring reaching the
-    worker that holds the session: a ring sent elsewhere would leave it unanswered."""
+    worker that holds the session: a ring sent elsewhere would leave it unanswered.
+    Appends sent together share a batch and its rings (one entry per bell)."""
     pipeline = echo_pipeline("echo")
     settings = fast_settings(redis_url, key_prefix, sweep_ms=600_000, worker_capacity=3)
     coordinator = Coordinator(settings, pipeline)
@@ -97,8 +135,11 @@ async def test_a_stage_of_two_workers_answers_every_session_without_sweeps(redis
             await read_until(coordinator, lambda d: len(outputs_of(d)) >= len(sessions))
             assert len(w1.actors) == len(w2.actors) == 3
             for round_ in range(3):  # later inputs reach their holders by rings alone
-                for sid in sessions:
-                    await coordinator.append(sid, "append_text", TextPayload(f"more {round_}"))
+                more = [(sid, "append_text", TextPayload(f"more {round_}")) for sid in sessions]
+                if together:
+                    await asyncio.gather(*(coordinator.append(*each) for each in more))
+                for each in [] if together else more:
+                    await coordinator.append(*each)
                 got = await read_until(
                     coordinator, lambda d: len(outputs_of(d)) >= len(sessions), timeout=10
                 )
