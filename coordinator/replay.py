@@ -450,7 +450,7 @@ async def replay_session(
     async for page in _input_pages(bus, sk.input, end or "+"):
         for entry in page:
             try:
-                event: InputEvent = decode_input(entry.fields.get(b"e", b""))
+                event: InputEvent = decode_input(entry.event)
             except WireDecodeError:
                 skipped += 1
                 continue

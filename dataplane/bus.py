@@ -64,6 +64,16 @@ class Entry(NamedTuple):
     id: str
     fields: dict[bytes, bytes]
 
+    @property
+    def event(self) -> bytes:
+        """The event's bytes: field ``e``, then ``x`` where the writer kept a part apart
+        (an append stores the client's bytes as ``x`` rather than copy them into the
+        event in Lua); empty when the entry has no event."""
+        fields = self.fields
+        head = fields.get(b"e", b"")
+        rest = fields.get(b"x")
+        return head + rest if rest is not None else head
+
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value

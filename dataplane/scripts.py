@@ -221,11 +221,12 @@ local seq = tonumber(m[6]) + 1
 local tkey = ep .. ':' .. tu
 local tseq = 1
 if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
--- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in tail.
+-- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in the
+-- caller's tail, stored as field x next to the rest (field e) rather than copied onto
+-- it: readers join the two (``Entry.event``).
 local event = '\135'
   .. cmsgpack.pack('t', 'in', 'fence', {ARGV[1], inc, ep, tu, rs}, 'seq', seq, 'turn_seq', tseq)
-  .. ARGV[3]
-local id = redis.call('XADD', KEYS[2], '*', 'e', event)
+local id = redis.call('XADD', KEYS[2], '*', 'e', event, 'x', ARGV[3])
 for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
 -- The counters, the fence and the turn key where they moved, and the call's record,

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import msgspec
 import pytest
 
 from dataplane.authority import SessionAuthority
@@ -48,10 +49,15 @@ async def test_open_append_counts_and_log(authority, bus):
     got = [await authority.append("s1", "append_text", TextPayload(f"t{i}")) for i in range(3)]
     assert [(r.seq, r.turn_seq, r.turn_id) for r in got] == [(1, 1, 0), (2, 2, 0), (3, 3, 0)]
     entries = await bus.xrange(bus.keys.session("s1").input)
-    events = [decode_input(e.fields[b"e"]) for e in entries]
+    events = [decode_input(e.event) for e in entries]
     assert [e.seq for e in events] == [1, 2, 3]
     assert events[1].payload == TextPayload("t1") and events[1].fence == fence
     assert [e.id for e in entries] == [r.entry_id for r in got]
+    # The client's part of the event is stored as it came (field x), not copied onto
+    # the rest in Lua; the entry's event joins them.
+    tail = msgspec.msgpack.decode(b"\x83" + entries[1].fields[b"x"], type=dict)  # 3 entries
+    assert set(tail) == {"mode", "payload", "ts_ms"}
+    assert entries[1].event == entries[1].fields[b"e"] + entries[1].fields[b"x"]
     # Both stages were handed the new session.
     for stage in PIPELINE.stage_names:
         assign = await bus.xrange(bus.keys.assign(stage))
@@ -169,7 +175,7 @@ async def test_two_coordinators_never_share_a_seq(redis_server, key_prefix):
         a, b = await asyncio.gather(writer(authorities[0], "a"), writer(authorities[1], "b"))
         assert sorted(a + b) == list(range(1, 201))
         entries = await buses[0].xrange(buses[0].keys.session("s1").input)
-        assert [decode_input(e.fields[b"e"]).seq for e in entries] == list(range(1, 201))
+        assert [decode_input(e.event).seq for e in entries] == list(range(1, 201))
     finally:
         for b in buses:
             await b.aclose()

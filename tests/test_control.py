@@ -227,7 +227,7 @@ async def _keys(bus, session_id):
 
 
 async def _seqs(bus, stream):
-    return [decode_input(e.fields[b"e"]).seq for e in await bus.xrange(stream)]
+    return [decode_input(e.event).seq for e in await bus.xrange(stream)]
 
 
 async def test_trim_keeps_an_unread_backlog_and_trims_after_catch_up(settings, coordinator, ctx):

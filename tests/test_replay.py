@@ -365,7 +365,7 @@ def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
 
 
 async def _log(bus, session_id):
-    return [decode_input(e.fields[b"e"]) for e in await bus.xrange(
+    return [decode_input(e.event) for e in await bus.xrange(
         bus.keys.session(session_id).input, "-", "+")]  # fmt: skip
 
 

@@ -204,6 +204,6 @@ async def test_an_unchanged_update_appends_nothing_to_the_log(redis_server, key_
         entries = await bus.xrange(bus.keys.session(sid).input)
     finally:
         await bus.aclose()
-    log = [decode_input(e.fields[b"e"]) for e in entries]
+    log = [decode_input(e.event) for e in entries]
     assert [e.mode for e in log] == [InputMode.UPDATE_SESSION]
     assert log[0].payload == SettingsPayload(instructions="x")

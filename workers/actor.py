@@ -309,7 +309,7 @@ class SessionActor:
     def _decode(self, entry: Entry) -> StageEvent | ControlEvent | None:
         try:
             if b"e" in entry.fields:
-                decoded = decode_event(entry.fields[b"e"])
+                decoded = decode_event(entry.event)
                 if isinstance(decoded, ControlEvent):
                     raise WireDecodeError("control event in a data field")
                 return decoded

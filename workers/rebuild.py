@@ -60,7 +60,7 @@ def _decode_input(entry: Entry) -> StageEvent | None:
     if b"e" not in entry.fields:
         return None  # a fence barrier, or a trimmed entry
     with contextlib.suppress(WireDecodeError):
-        event = decode_event(entry.fields[b"e"])
+        event = decode_event(entry.event)
         if isinstance(event, StageEvent) and not carries_settings(event):
             return event
     return None
