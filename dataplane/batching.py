@@ -91,12 +91,11 @@ def multi_script(script: str) -> Multi:
     each, its error caught as that call's error reply. What comes before the script's
     ``BODY_MARK`` (the shared prelude's functions) is defined once, not per call."""
     shared, mark, own = script.rpartition(BODY_MARK)
-    loop = _MULTI_LOOP.replace("START()", "multi_start()").replace("FINISH()", "multi_finish()")
-    if not mark:
-        shared, own = "", script
-        loop = _MULTI_LOOP.replace("START()", "").replace("FINISH()", "")
+    start, finish = "multi_start()", "multi_finish()"  # the prelude's (queued rings)
+    if not mark:  # a script without the prelude: all of it runs per call
+        shared, own, start, finish = "", script, "", ""
     text = f"local KEYS, ARGV = KEYS, ARGV\n{shared}\nlocal function run()\n{own}\nend\n"
-    return Multi(text + loop)
+    return Multi(text + _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish))
 
 
 class _Call:

@@ -230,8 +230,7 @@ local id = redis.call('XADD', KEYS[2], '*', 'e', event, 'x', ARGV[3])
 for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
 -- The counters, the fence and the turn key where they moved, and the call's record,
--- in one write. The record is built from the fence's own text (the call's or the
--- stored one): formatting numbers is a large part of a short script's time.
+-- in one write.
 local changes = {'seq', seq, 'tseq', tseq}
 if ep ~= cep or tu ~= ctu or rs ~= crs then
   changes[5], changes[6], changes[7], changes[8], changes[9], changes[10] =
@@ -242,14 +241,8 @@ if tkey ~= m[8] then
   changes[#changes + 1] = tkey
 end
 if PRODUCER ~= '' then
-  local text
-  if ARGV[4] == '1' then
-    text = table.concat(ARGV, ' ', 5, 8)
-  else
-    text = m[2] .. ' ' .. m[3] .. ' ' .. m[4] .. ' ' .. m[5]
-  end
   changes[#changes + 1] = RECORD
-  changes[#changes + 1] = ARGV[#ARGV] .. ' ok ' .. seq .. ' ' .. tseq .. ' ' .. text .. ' ' .. id
+  changes[#changes + 1] = record(reply)
 end
 redis.call('HSET', KEYS[1], unpack(changes))
 return reply

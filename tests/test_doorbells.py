@@ -138,8 +138,9 @@ async def test_a_stage_of_two_workers_answers_every_session_without_sweeps(
                 more = [(sid, "append_text", TextPayload(f"more {round_}")) for sid in sessions]
                 if together:
                     await asyncio.gather(*(coordinator.append(*each) for each in more))
-                for each in [] if together else more:
-                    await coordinator.append(*each)
+                else:
+                    for each in more:
+                        await coordinator.append(*each)
                 got = await read_until(
                     coordinator, lambda d: len(outputs_of(d)) >= len(sessions), timeout=10
                 )
