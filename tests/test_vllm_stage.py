@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.service import Coordinator
 from dataplane.request_ids import make_request_id, parse_request_id
-from schemas.config import PipelineConfig, StageConfig
+from schemas.config import PipelineConfig, Settings, StageConfig
 from schemas.events import (
     AudioPayload,
     CommitPayload,
@@ -376,7 +376,15 @@ async def test_b_barge_in_aborts_the_running_request(engine, settings):
 
 
 @engine_test
-async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(engine, settings):
+async def test_c_failover_mid_generation_continues_with_the_rebuilt_history(
+    engine, redis_server, key_prefix
+):
+    # The shipped lease TTL and heartbeat: this test needs exactly one failover, and with
+    # the fast settings' 1 s TTL an event-loop stall of under a second (the engine and
+    # both workers share two cores) lost the new owner its lease and made a second one.
+    shipped = Settings()
+    settings = fast_settings(redis_server.url, key_prefix, lease_ttl_ms=shipped.lease_ttl_ms,
+                             heartbeat_ms=shipped.heartbeat_ms)  # fmt: skip
     # Short enough that both exchanges fit max_model_len (1024).
     max_tokens = 400
     pipeline = chat_pipeline()
