@@ -150,6 +150,12 @@ def _client(url: str, **options: Any) -> aioredis.Redis:
     return client
 
 
+CONNECT_TIMEOUT_S = 1.0
+"""A connect that takes longer is given up and tried again. The TCP handshake with a
+reachable Redis takes well under a millisecond; a SYN lost while a restarted Redis's
+address comes back up must not hold a connection past a lease's TTL."""
+
+
 class RedisBus:
     """Redis connections, Lua scripts and stream operations for one deployment."""
 
@@ -168,10 +174,11 @@ class RedisBus:
         """True on Redis Cluster: multi-key reads are split per slot."""
         self.keys = dataclasses.replace(keys or Keys(), cluster=self.cluster)
         self._command_timeout = command_timeout
+        self._connect_timeout = min(command_timeout, CONNECT_TIMEOUT_S)
         self.client: aioredis.Redis = _client(
             url,
             socket_timeout=command_timeout,
-            socket_connect_timeout=command_timeout,
+            socket_connect_timeout=self._connect_timeout,
             retry=_retry(),
             retry_on_error=list(_RETRY_ON),
             health_check_interval=30,
@@ -209,8 +216,9 @@ class RedisBus:
         return self._register(body)
 
     def _lane(self) -> Lane:
-        timeout = self._command_timeout
-        return Lane(self.url, timeout_s=timeout, connect_timeout_s=timeout)
+        return Lane(
+            self.url, timeout_s=self._command_timeout, connect_timeout_s=self._connect_timeout
+        )
 
     def stream_reader(self, block_ms: int) -> Reader:
         """A dedicated connection for blocking XREADs of up to ``block_ms`` (``xread``):
@@ -226,7 +234,7 @@ class RedisBus:
         conn: aioredis.Redis = _client(
             self.url,
             socket_timeout=block_ms / 1000 + self._command_timeout,
-            socket_connect_timeout=self._command_timeout,
+            socket_connect_timeout=self._connect_timeout,
             retry=_retry(),
             retry_on_error=list(_RETRY_ON),
             single_connection_client=True,

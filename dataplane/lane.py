@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
@@ -41,6 +43,10 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, DataError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from dataplane.addresses import ADDRESSES
+
+log = logging.getLogger("duplexq.lane")
 
 RETRIES = 60
 """Attempts after the first one, as ``RedisBus``'s client makes (about 30 s in all)."""
@@ -134,6 +140,8 @@ class Lane:
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
+        self._down_since: float | None = None
+        """When this lane's calls began to fail (logged once per outage)."""
 
     async def execute(self, *args: Any, extra_timeout_s: float = 0.0) -> Any:
         """One command (retried as ``pipeline`` retries); an error reply is raised.
@@ -155,8 +163,15 @@ class Lane:
                 replies = await self._send(commands, extra_timeout_s)
                 if any(isinstance(reply, BusyLoadingError) for reply in replies):
                     raise BusyLoadingError("Redis is loading its data")
+                if self._down_since is not None:
+                    log.info("Redis at %s answers again, after %.1f s", self.where,
+                             time.monotonic() - self._down_since)  # fmt: skip
+                    self._down_since = None
                 return replies
-            except _RETRY_ON:
+            except _RETRY_ON as exc:
+                if self._down_since is None:  # once per outage, not once per caller
+                    self._down_since = time.monotonic()
+                    log.warning("Redis at %s: %s; retrying", self.where, exc)
                 failures += 1
                 if failures > RETRIES or self._closed:
                     raise
@@ -204,7 +219,14 @@ class Lane:
             loop = asyncio.get_running_loop()
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
-                    _, protocol = await loop.create_connection(_Protocol, self.host, self.port)
+                    found = await ADDRESSES.resolve(self.host, self.port, self.connect_timeout_s)
+                    for n, host in enumerate(found, 1):
+                        try:
+                            _, protocol = await loop.create_connection(_Protocol, host, self.port)
+                            break
+                        except OSError:
+                            if n == len(found):
+                                raise
             except TimeoutError:
                 raise RedisTimeoutError(f"connecting to {self.where} timed out") from None
             except OSError as exc:

@@ -10,6 +10,9 @@ It also sends without a task per write: redis-py bounds a write by the socket
 timeout with ``asyncio.wait_for``, which wraps every write in a new task (about
 a tenth of a pipelined command's cost); here the write is bounded by
 ``asyncio.timeout``, with the same errors on a timeout or a broken socket.
+
+And it connects to the address ``dataplane.addresses`` gives for the host: a
+name lookup that hangs while Redis restarts does not hold up the connection.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from dataplane.addresses import ADDRESSES
 
 
 def pack(args: tuple[Any, ...]) -> bytes:
@@ -41,6 +46,28 @@ def pack(args: tuple[Any, ...]) -> bytes:
 
 class PackedConnection(aioredis.Connection):
     """redis-py's asyncio connection, packing commands with hiredis."""
+
+    _address: str | None = None
+
+    async def _connect(self) -> None:
+        timeout_s = self.socket_connect_timeout or 5.0
+        try:
+            found = await ADDRESSES.resolve(self.host, self.port, timeout_s)
+        except TimeoutError as exc:
+            raise RedisTimeoutError(str(exc)) from None
+        except OSError as exc:
+            raise RedisConnectionError(f"cannot look up {self.host}: {exc}") from exc
+        for n, address in enumerate(found, 1):
+            self._address = address
+            try:
+                await super()._connect()  # type: ignore[no-untyped-call]
+                return
+            except OSError:
+                if n == len(found):
+                    raise
+
+    def _connection_arguments(self) -> dict[str, Any]:
+        return {**super()._connection_arguments(), "host": self._address or self.host}
 
     def pack_command(self, *args: Any) -> list[bytes]:
         return [pack(args)]
