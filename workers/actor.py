@@ -490,6 +490,7 @@ class SessionActor:
             failpoint("after_publish", self._published_seq + 1, applied)
             self._published_seq = max(self._published_seq, applied)
         elif result.status is PublishStatus.LOST:
+            log.warning("lost the lease: a publish found another owner", extra=self._extra())
             await self.count_drop("zombie", sum(len(events) for _, events in groups))
             self.end(ActorState.LOST)
         elif result.status is PublishStatus.CLOSED:
