@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -72,6 +73,12 @@ class Stack:
     docker: str
     port: int
     pipeline: str = DEFAULT
+    rounds: int = 1
+    """How many times the kill and the Redis restart are done, one after the other."""
+    watched: str = ""
+    """The session whose state in Redis a failure report shows."""
+    killed: set[str] = field(default_factory=set)
+    """Containers the drive killed: their restart policy may bring them back."""
     figures: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
@@ -114,7 +121,7 @@ class Stack:
                 service = c["Config"]["Labels"]["com.docker.compose.service"]
                 health = c["State"].get("Health", {}).get("Status", "none")
                 states.append(f"{c['Name'].lstrip('/')}={c['State']['Status']}/{health}")
-                if c["RestartCount"]:
+                if c["RestartCount"] and c["Id"] not in self.killed:
                     logs = await self.run(self.docker, "logs", "--tail", "30", c["Id"])
                     raise Failed(f"{c['Name']} restarted:\n{logs}")
                 if health == "healthy":
@@ -152,15 +159,22 @@ class Session:
 
     async def until(self, *kinds: str, within_s: float = ANSWER_WITHIN_S) -> dict[str, Any]:
         """The next event of one of ``kinds`` (every event is kept in ``seen``)."""
-        async with asyncio.timeout(within_s):
-            while True:
-                event: dict[str, Any] = json.loads(await self.connection.recv_bytes())
-                event["_at"] = time.monotonic()
-                self.seen.append(event)
-                if event["type"] == "error":
-                    raise Failed(f"server error: {event['error']}")
-                if event["type"] in kinds:
-                    return event
+        mark = len(self.seen)
+        try:
+            async with asyncio.timeout(within_s):
+                while True:
+                    event: dict[str, Any] = json.loads(await self.connection.recv_bytes())
+                    event["_at"] = time.monotonic()
+                    self.seen.append(event)
+                    if event["type"] == "error":
+                        raise Failed(f"server error: {event['error']}")
+                    if event["type"] in kinds:
+                        return event
+        except TimeoutError:
+            came = [e["type"] for e in self.seen[mark:]]
+            raise Failed(
+                f"no {' or '.join(kinds)} within {within_s:.0f} s; came meanwhile: {came[-20:]}"
+            ) from None
 
     async def ask(self, text: str) -> float:
         """Sends a typed turn and asks for a response; the time it was sent."""
@@ -290,6 +304,7 @@ async def kill_owner(session: Session, stack: Stack) -> None:
     if not victims:
         raise Failed(f"no {stage} container with host name {owner}")
     victim = victims[0]["Name"].lstrip("/")
+    stack.killed.add(victims[0]["Id"])
     await stack.run(stack.docker, "kill", victims[0]["Id"])
     killed_at = time.monotonic()
     answer, _, events = await session.answer("Name a color.")
@@ -313,6 +328,7 @@ async def input_ids(stack: Stack, session_id: str) -> list[str]:
 async def restart_redis(session: Session, stack: Stack) -> None:
     before = await input_ids(stack, session.id)
     start = time.monotonic()
+    print(f"restarting Redis at {time.strftime('%H:%M:%S', time.gmtime())} UTC")
     await stack.compose("restart", "redis")
     answer, _, _ = await session.answer("Say one more word.")
     check_words(answer)
@@ -333,14 +349,20 @@ async def default_pipeline(stack: Stack) -> None:
     print(f"default pipeline healthy in {healthy_s:.0f} s")
     await typed_turn(stack, up_at)
     async with Session(stack.port) as session:
+        stack.watched = session.id
         await barge_in(session, stack)
         await stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "tts=3")
         scaled_s = await stack.wait_healthy({**services, "tts": 3})
         stack.figures["`--scale tts=3` to healthy"] = f"{scaled_s:.0f} s"
         print(f"tts scaled to 3 in {scaled_s:.0f} s")
         await worker_metrics(stack, {"vad": 1, "asr": 1, "thinker": 1, "tts": 3})
-        await kill_owner(session, stack)
-        await restart_redis(session, stack)
+        for round_ in range(stack.rounds):
+            if round_:  # the killed container back, for the next kill
+                await stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "tts=3")
+                await stack.wait_healthy({**services, "tts": 3})
+                print(f"round {round_ + 1} of {stack.rounds}")
+            await kill_owner(session, stack)
+            await restart_redis(session, stack)
     await stack.compose("down", "--volumes", "--timeout", "10")
 
 
@@ -358,8 +380,62 @@ async def echo_profile(stack: Stack) -> None:
     await stack.compose("--profile", "echo", "down", "--volumes", "--timeout", "10")
 
 
+async def show_logs(stack: Stack) -> None:
+    """After a failed check: every service's log, whole, in var/compose-logs.txt, and
+    its warnings and errors on the console (where CI keeps them)."""
+    logs = await stack.compose("logs", "--no-color", "--timestamps")
+    path = Path("var") / "compose-logs.txt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(logs)  # once, after the failure: blocking the loop here costs nothing
+    notable = [line for line in logs.splitlines() if NOTABLE.search(line)]
+    print(f"the stack's logs are in {path}; their warnings and errors, the last 60:")
+    print("\n".join(notable[-60:]))
+    if stack.watched:
+        print(f"session {stack.watched} in Redis:")
+        print(await session_state(stack, stack.watched))
+    drops = await stack.compose("exec", "-T", "coordinator", "python", "-c", DROPS)
+    print(f"the coordinator's drops: {drops.strip() or 'none'}")
+
+
+DROPS = """
+import urllib.request
+body = urllib.request.urlopen("http://127.0.0.1:8080/metrics", timeout=5).read().decode()
+print(" ".join(l for l in body.splitlines() if l.startswith("duplexq_dropped_stale_total{")))
+"""
+
+
+STAGES = ("vad", "asr", "thinker", "tts")
+
+
+async def session_state(stack: Stack, session_id: str) -> str:
+    """Where a session stands in Redis: its fence, each stage's progress and lease, the
+    length of each of its streams and the newest entries of its client journal."""
+    sk = Keys().session(session_id)
+    lines = [
+        "meta: " + " ".join((await stack.redis("HGETALL", sk.meta)).split()),
+        "progress: " + " ".join((await stack.redis("HGETALL", sk.progress)).split()),
+    ]
+    for stage in STAGES:
+        lease = (await stack.redis("GET", sk.lease(stage))).strip()
+        length = (await stack.redis("XLEN", sk.stage_out(stage))).strip()
+        lines.append(f"{stage}: lease {lease or '-'}; output stream {length} entries")
+    for name, key in (("input", sk.input), ("control", sk.control), ("client", sk.client)):
+        lines.append(f"{name}: {(await stack.redis('XLEN', key)).strip()} entries")
+    tail = await stack.redis("XREVRANGE", sk.client, "+", "-", "COUNT", "8")
+    lines.append("client journal, newest first: " + ascii(tail[-3000:]))
+    return "\n".join(lines)
+
+
+NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Error\b|lost|retry", re.IGNORECASE)
+
+
 async def drive(stack: Stack) -> None:
-    await default_pipeline(stack)
+    try:
+        await default_pipeline(stack)
+    except Failed:
+        with contextlib.suppress(Failed):
+            await show_logs(stack)
+        raise
     await echo_profile(stack)
     left = (await stack.run(stack.docker, "ps", "-aq")).split()
     if left:
@@ -371,8 +447,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--project", required=True)
     parser.add_argument("--docker", default="docker")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="do the kill and the Redis restart this many times"
+    )
     args = parser.parse_args()
-    stack = Stack(project=args.project, docker=args.docker, port=free_port())
+    stack = Stack(project=args.project, docker=args.docker, port=free_port(), rounds=args.rounds)
     try:
         asyncio.run(drive(stack))
     except Failed as exc:
