@@ -18,7 +18,8 @@ and checked; the first failed check ends the run with its reason:
 5. ``docker kill`` of the tts container holding the session: the session's
    next answer comes, with speech, from another container;
 6. ``docker-compose restart redis``: every input entry acknowledged before
-   is still in the session's log, and the session answers again;
+   is still in the session's log, the session answers again, and none of its
+   stages failed over (Redis was down for well under a lease's TTL);
 7. the echo profile's stack (its own coordinator, on the port the default
    one had) answers a turn;
 8. ``docker-compose down``: no container of the project is left.
@@ -325,8 +326,15 @@ async def input_ids(stack: Stack, session_id: str) -> list[str]:
     return [line for line in out.splitlines() if re.fullmatch(r"\d+-\d+", line)]
 
 
+async def incarnation(stack: Stack, session_id: str) -> int:
+    return int((await stack.redis("HGET", Keys().session(session_id).meta, "inc")).strip())
+
+
 async def restart_redis(session: Session, stack: Stack) -> None:
+    """Redis restarted (down well under a lease's TTL): nothing acknowledged is lost, the
+    session answers, and no stage of it failed over (its incarnation is unchanged)."""
     before = await input_ids(stack, session.id)
+    held = await incarnation(stack, session.id)
     start = time.monotonic()
     print(f"restarting Redis at {time.strftime('%H:%M:%S', time.gmtime())} UTC")
     await stack.compose("restart", "redis")
@@ -335,6 +343,8 @@ async def restart_redis(session: Session, stack: Stack) -> None:
     lost = set(before) - set(await input_ids(stack, session.id))
     if lost:
         raise Failed(f"{len(lost)} acknowledged inputs lost across the Redis restart")
+    if (now := await incarnation(stack, session.id)) != held:
+        raise Failed(f"the Redis restart failed the session over (incarnation {held} -> {now})")
     stack.figures["Redis restart to next answer"] = f"{time.monotonic() - start:.1f} s"
     print(f"Redis restarted: {len(before)} inputs kept, next answer {answer!r}")
 
