@@ -156,9 +156,7 @@ async def test_a_lane_and_a_client_reconnect_while_lookups_hang(tmp_path, resolv
         server.stop()
 
 
-async def test_a_worker_keeps_its_leases_when_redis_restarts_while_lookups_hang(
-    tmp_path, resolver
-):
+async def test_a_worker_keeps_its_leases_when_redis_restarts_while_lookups_hang(tmp_path, resolver):
     server = RedisServer(tmp_path / "redis")
     server.start()
     # The shipped lease TTL and heartbeat: the case the fallback is for.
