@@ -30,6 +30,8 @@ import ipaddress
 import logging
 import socket
 import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 log = logging.getLogger("duplexq.addresses")
 
@@ -64,9 +66,6 @@ class Addresses:
         )
         self.lookup = _lookup
         """The blocking lookup (replaced only by tests that make lookups hang)."""
-
-    def known(self, host: str) -> Found | None:
-        return self._known.get(host)
 
     async def resolve(self, host: str, port: int, timeout_s: float) -> Found:
         """The addresses to connect to for ``host``: a fresh answer if it comes in time,
@@ -107,6 +106,20 @@ class Addresses:
                 del self._pending[host]
             if not done.cancelled() and done.exception() is None:
                 self._known[host] = done.result()
+
+
+T = TypeVar("T")
+
+
+async def connect_first(found: Found, connect: Callable[[str], Awaitable[T]]) -> T:
+    """``connect(address)`` for each of ``found`` in turn until one connects; the last
+    one's error when none does."""
+    for address in found[:-1]:
+        try:
+            return await connect(address)
+        except OSError:
+            continue
+    return await connect(found[-1])
 
 
 def _is_address(host: str) -> bool:

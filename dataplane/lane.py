@@ -44,7 +44,7 @@ from redis.exceptions import BusyLoadingError, DataError, RedisError, ResponseEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dataplane.addresses import ADDRESSES
+from dataplane.addresses import ADDRESSES, connect_first
 
 log = logging.getLogger("duplexq.lane")
 
@@ -220,13 +220,9 @@ class Lane:
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     found = await ADDRESSES.resolve(self.host, self.port, self.connect_timeout_s)
-                    for n, host in enumerate(found, 1):
-                        try:
-                            _, protocol = await loop.create_connection(_Protocol, host, self.port)
-                            break
-                        except OSError:
-                            if n == len(found):
-                                raise
+                    _, protocol = await connect_first(
+                        found, lambda host: loop.create_connection(_Protocol, host, self.port)
+                    )
             except TimeoutError:
                 raise RedisTimeoutError(f"connecting to {self.where} timed out") from None
             except OSError as exc:

@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dataplane.addresses import ADDRESSES
+from dataplane.addresses import ADDRESSES, connect_first
 
 
 def pack(args: tuple[Any, ...]) -> bytes:
@@ -57,14 +57,11 @@ class PackedConnection(aioredis.Connection):
             raise RedisTimeoutError(str(exc)) from None
         except OSError as exc:
             raise RedisConnectionError(f"cannot look up {self.host}: {exc}") from exc
-        for n, address in enumerate(found, 1):
-            self._address = address
-            try:
-                await super()._connect()  # type: ignore[no-untyped-call]
-                return
-            except OSError:
-                if n == len(found):
-                    raise
+        await connect_first(found, self._connect_to)
+
+    async def _connect_to(self, address: str) -> None:
+        self._address = address  # read by _connection_arguments, in redis-py's _connect
+        await super()._connect()  # type: ignore[no-untyped-call]
 
     def _connection_arguments(self) -> dict[str, Any]:
         return {**super()._connection_arguments(), "host": self._address or self.host}

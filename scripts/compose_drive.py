@@ -46,6 +46,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+from schemas.config import load_pipeline
 from schemas.keys import Keys
 
 API_KEY = "compose-test-key"
@@ -414,9 +415,6 @@ print(" ".join(l for l in body.splitlines() if l.startswith("duplexq_dropped_sta
 """
 
 
-STAGES = ("vad", "asr", "thinker", "tts")
-
-
 async def session_state(stack: Stack, session_id: str) -> str:
     """Where a session stands in Redis: its fence, each stage's progress and lease, the
     length of each of its streams and the newest entries of its client journal."""
@@ -425,7 +423,7 @@ async def session_state(stack: Stack, session_id: str) -> str:
         "meta: " + " ".join((await stack.redis("HGETALL", sk.meta)).split()),
         "progress: " + " ".join((await stack.redis("HGETALL", sk.progress)).split()),
     ]
-    for stage in STAGES:
+    for stage in load_pipeline(stack.pipeline).stage_names:
         lease = (await stack.redis("GET", sk.lease(stage))).strip()
         length = (await stack.redis("XLEN", sk.stage_out(stage))).strip()
         lines.append(f"{stage}: lease {lease or '-'}; output stream {length} entries")

@@ -90,10 +90,20 @@ def resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[SystemResolver]:
         fake.released.set()
 
 
-async def test_a_hanging_lookup_falls_back_to_the_names_last_address():
+@pytest.fixture
+def lookups() -> Iterator[tuple[Addresses, Resolver]]:
+    """A resolver of its own, whose lookups answer 10.0.0.7 until they hang."""
     addresses = Addresses()
     fake = Resolver(("10.0.0.7",))
     addresses.lookup = fake
+    try:
+        yield addresses, fake
+    finally:
+        fake.released.set()
+
+
+async def test_a_hanging_lookup_falls_back_to_the_names_last_address(lookups):
+    addresses, fake = lookups
     assert await addresses.resolve("redis", 6379, 1.0) == ("10.0.0.7",)
     fake.hang()
     fake.answer = ("10.0.0.8",)
@@ -103,32 +113,24 @@ async def test_a_hanging_lookup_falls_back_to_the_names_last_address():
     assert await addresses.resolve("redis", 6379, 1.0) == ("10.0.0.8",)
 
 
-async def test_a_name_never_answered_waits_for_its_lookup_until_the_timeout():
-    addresses = Addresses()
-    fake = Resolver(("10.0.0.7",))
+async def test_a_name_never_answered_waits_for_its_lookup_until_the_timeout(lookups):
+    addresses, fake = lookups
     fake.hang()
-    addresses.lookup = fake
     with pytest.raises(TimeoutError):
         await addresses.resolve("redis", 6379, 0.3)
-    fake.released.set()
 
 
-async def test_connections_retrying_during_a_hang_share_one_lookup():
-    addresses = Addresses()
-    fake = Resolver(("10.0.0.7",))
-    addresses.lookup = fake
+async def test_connections_retrying_during_a_hang_share_one_lookup(lookups):
+    addresses, fake = lookups
     await addresses.resolve("redis", 6379, 1.0)
     fake.hang()
     found = await asyncio.gather(*(addresses.resolve("redis", 6379, 5.0) for _ in range(50)))
     assert set(found) == {("10.0.0.7",)}
     assert fake.calls == 1  # one thread waits on the resolver, not fifty
-    fake.released.set()
 
 
-async def test_an_address_is_not_looked_up():
-    addresses = Addresses()
-    fake = Resolver(("10.0.0.7",))
-    addresses.lookup = fake
+async def test_an_address_is_not_looked_up(lookups):
+    addresses, fake = lookups
     assert await addresses.resolve("127.0.0.1", 6379, 1.0) == ("127.0.0.1",)
     assert fake.calls == 0
 
