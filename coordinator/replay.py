@@ -21,9 +21,10 @@ first and every replayed one carries the flag; the stored configuration has it
 too, so a stage's new owner keeps it). A greedy replay of a sampled recording
 still differs from the recording, so ``replay_greedily`` judges determinism by
 replaying twice and comparing the two targets; the comparison with the recording
-is reported beside it. (The first of the two waits until its target stays quiet
-for ``quiet_s``: the recording's count of outputs says nothing of its own; the
-second waits for as many outputs as the first got.) A recording that was itself
+is reported beside it. (The first of the two waits until its target has ended as
+many answers as the recording and then stays quiet for ``quiet_s``: the
+recording's count of outputs says nothing of its own; the second waits for as
+many outputs as the first got.) A recording that was itself
 greedy (a greedy replay's target) is compared directly, once.
 
 Outputs are compared as a client would have received them: a journal is
@@ -31,7 +32,11 @@ judged like the output reader does (fence barriers, stale fences and
 duplicates dropped), and two outputs are equal when their stage, kind,
 text, data and token ids are; fences, seqs and timestamps are ignored, and
 so are the coordinator's own notices (they come from a client connection,
-which a replay does not have).
+which a replay does not have). A run of text or audio deltas of one stage
+under one fence counts as one output, their pieces joined (``as_read``): how
+a stream is cut into deltas depends on timing, not on the inputs (a vLLM
+stream hands over every token generated since it was last read, so a busy
+machine gives fewer, longer deltas), and a client joins them anyway.
 """
 
 from __future__ import annotations
@@ -126,8 +131,48 @@ class Comparison:
         return self.first_mismatch is None
 
 
+STREAMED = frozenset({OutputKind.TEXT_DELTA, OutputKind.AUDIO_DELTA})
+"""Output kinds a client joins: their cut into pieces is not part of the answer."""
+
+
+def as_read(outputs: Sequence[OutputEvent]) -> list[OutputEvent]:
+    """``outputs`` with every run of ``STREAMED`` outputs of one stage and kind under
+    one fence joined into one (text, data and token ids concatenated; the first's
+    seq and meta kept): what a client reads, whatever the cut."""
+    joined: list[OutputEvent] = []
+    run: list[OutputEvent] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            joined.append(run[0])
+        elif run:
+            joined.append(
+                msgspec.structs.replace(
+                    run[0],
+                    text="".join(o.text for o in run),
+                    data=b"".join(o.data for o in run),
+                    token_ids=tuple(i for o in run for i in o.token_ids),
+                )
+            )
+        run.clear()
+
+    for event in outputs:
+        head = run[0] if run else None
+        if head is not None and not (
+            event.kind is head.kind and event.stage == head.stage and event.fence == head.fence
+        ):
+            close_run()
+        if event.kind in STREAMED:
+            run.append(event)
+        else:
+            joined.append(event)
+    close_run()
+    return joined
+
+
 def compare_outputs(source: Sequence[OutputEvent], target: Sequence[OutputEvent]) -> Comparison:
-    """Compare two output sequences position by position."""
+    """Compare two output sequences as read (``as_read``), position by position."""
+    source, target = as_read(source), as_read(target)
     matched = 0
     for a, b in zip(source, target, strict=False):
         if output_key(a) != output_key(b):
@@ -381,17 +426,27 @@ async def _open_target(
 
 
 async def _wait_outputs(
-    bus: RedisBus, target: str, expected: int | None, timeout_s: float, quiet_s: float
+    bus: RedisBus,
+    target: str,
+    expected: int | None,
+    timeout_s: float,
+    quiet_s: float,
+    *,
+    responses: int = 0,
 ) -> tuple[list[OutputEvent], bool]:
-    """Follow the target's journal until ``expected`` outputs, quiet or timeout; whether
-    it got them. ``expected=None``: until quiet or timeout; whether it got quiet."""
+    """Follow the target's journal until it holds ``expected`` outputs as read, until it
+    stays quiet for ``quiet_s`` or until the timeout; the outputs, and whether it got
+    them. ``expected=None``: until quiet or timeout, and whether it got quiet; quiet
+    counts only once ``responses`` answers have ended (as many as the recording's: a
+    busy engine may pause longer than ``quiet_s`` between two of them)."""
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
+    read: list[OutputEvent] = []
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
-    while expected is None or len(outputs) < expected:
+    while expected is None or not _got(read, outputs, expected):
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
@@ -399,14 +454,24 @@ async def _wait_outputs(
             outputs += pipeline_outputs(follower, page)
             if len(outputs) > before:
                 last_growth = time.monotonic()
+                read = as_read(outputs)
             continue
         now = time.monotonic()
         if now >= deadline:
             return outputs, False
-        if outputs and now - last_growth >= quiet_s:
-            return outputs, expected is None
+        ended = sum(o.kind is OutputKind.DONE for o in read)
+        if read and ended >= responses and now - last_growth >= quiet_s:
+            return outputs, expected is None or len(read) >= expected
         await asyncio.sleep(POLL_S)
     return outputs, True
+
+
+def _got(read: Sequence[OutputEvent], outputs: Sequence[OutputEvent], expected: int) -> bool:
+    """Whether ``expected`` outputs as read are in: more than that, or that many with a
+    last one that is not a stream still growing."""
+    if len(read) != expected:
+        return len(read) > expected
+    return not outputs or outputs[-1].kind not in STREAMED
 
 
 async def replay_session(
@@ -466,8 +531,11 @@ async def replay_session(
     # A greedy replay of a sampled source answers otherwise: the source's count of
     # outputs says nothing of the target's, so the target runs until it is quiet.
     waits_quiet = greedy and reference is None and not source_greedy and bool(recorded)
-    expected = None if waits_quiet else len(recorded)
-    outputs, complete = await _wait_outputs(bus, target, expected, wait_timeout_s, quiet_s)
+    expected = None if waits_quiet else len(as_read(recorded))
+    responses = sum(o.kind is OutputKind.DONE for o in recorded) if waits_quiet else 0
+    outputs, complete = await _wait_outputs(
+        bus, target, expected, wait_timeout_s, quiet_s, responses=responses
+    )
     comparison = compare_outputs(recorded, outputs)
     if close_target:
         await authority.close(target, reason="replay done", ttl_s=closed_ttl_s)
