@@ -135,6 +135,16 @@ STREAMED = frozenset({OutputKind.TEXT_DELTA, OutputKind.AUDIO_DELTA})
 """Output kinds a client joins: their cut into pieces is not part of the answer."""
 
 
+def joins(previous: OutputEvent, event: OutputEvent) -> bool:
+    """Whether ``event`` continues the stream ``previous`` is part of, as read."""
+    return (
+        event.kind in STREAMED
+        and event.kind is previous.kind
+        and event.stage == previous.stage
+        and event.fence == previous.fence
+    )
+
+
 def as_read(outputs: Sequence[OutputEvent]) -> list[OutputEvent]:
     """``outputs`` with every run of ``STREAMED`` outputs of one stage and kind under
     one fence joined into one (text, data and token ids concatenated; the first's
@@ -157,10 +167,7 @@ def as_read(outputs: Sequence[OutputEvent]) -> list[OutputEvent]:
         run.clear()
 
     for event in outputs:
-        head = run[0] if run else None
-        if head is not None and not (
-            event.kind is head.kind and event.stage == head.stage and event.fence == head.fence
-        ):
+        if run and not joins(run[0], event):
             close_run()
         if event.kind in STREAMED:
             run.append(event)
@@ -433,45 +440,49 @@ async def _wait_outputs(
     quiet_s: float,
     *,
     responses: int = 0,
+    pieces: int = 0,
 ) -> tuple[list[OutputEvent], bool]:
     """Follow the target's journal until it holds ``expected`` outputs as read, until it
     stays quiet for ``quiet_s`` or until the timeout; the outputs, and whether it got
     them. ``expected=None``: until quiet or timeout, and whether it got quiet; quiet
     counts only once ``responses`` answers have ended (as many as the recording's: a
-    busy engine may pause longer than ``quiet_s`` between two of them)."""
+    busy engine may pause longer than ``quiet_s`` between two of them). ``pieces``: the
+    recording's outputs as they came (deltas not joined); a target that ends on a stream
+    is taken as complete once it has as many, instead of after ``quiet_s``."""
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
-    read: list[OutputEvent] = []
+    read = ended = 0
+    """Outputs as read (``as_read``), counted as they come, and answers ended."""
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
-    while expected is None or not _got(read, outputs, expected):
+    while expected is None or not _got(read, outputs, expected, pieces):
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
-            before = len(outputs)
-            outputs += pipeline_outputs(follower, page)
-            if len(outputs) > before:
+            for event in pipeline_outputs(follower, page):
+                read += not (outputs and joins(outputs[-1], event))
+                ended += event.kind is OutputKind.DONE
+                outputs.append(event)
                 last_growth = time.monotonic()
-                read = as_read(outputs)
             continue
         now = time.monotonic()
         if now >= deadline:
             return outputs, False
-        ended = sum(o.kind is OutputKind.DONE for o in read)
         if read and ended >= responses and now - last_growth >= quiet_s:
-            return outputs, expected is None or len(read) >= expected
+            return outputs, expected is None or read >= expected
         await asyncio.sleep(POLL_S)
     return outputs, True
 
 
-def _got(read: Sequence[OutputEvent], outputs: Sequence[OutputEvent], expected: int) -> bool:
-    """Whether ``expected`` outputs as read are in: more than that, or that many with a
-    last one that is not a stream still growing."""
-    if len(read) != expected:
-        return len(read) > expected
-    return not outputs or outputs[-1].kind not in STREAMED
+def _got(read: int, outputs: Sequence[OutputEvent], expected: int, pieces: int) -> bool:
+    """Whether ``expected`` outputs as read (``read`` of them so far) are in: more than
+    that, or that many with a last one that is not a stream that may still grow (one
+    is taken as ended once the outputs are as many as the recording's ``pieces``)."""
+    if read != expected:
+        return read > expected
+    return not outputs or outputs[-1].kind not in STREAMED or len(outputs) >= pieces > 0
 
 
 async def replay_session(
@@ -534,8 +545,9 @@ async def replay_session(
     expected = None if waits_quiet else len(as_read(recorded))
     responses = sum(o.kind is OutputKind.DONE for o in recorded) if waits_quiet else 0
     outputs, complete = await _wait_outputs(
-        bus, target, expected, wait_timeout_s, quiet_s, responses=responses
-    )
+        bus, target, expected, wait_timeout_s, quiet_s, responses=responses,
+        pieces=len(recorded),
+    )  # fmt: skip
     comparison = compare_outputs(recorded, outputs)
     if close_target:
         await authority.close(target, reason="replay done", ttl_s=closed_ttl_s)

@@ -361,6 +361,25 @@ async def test_replay_into_a_different_pipeline_reports_the_mismatch(settings, c
     assert again.first_mismatch.index == 0 and again.target_outputs == 2
 
 
+async def test_a_replay_that_ends_on_a_stream_is_complete_once_it_has_every_piece(
+    settings, coordinator
+):
+    """Texts and no commit: the session's outputs end on a stream that could still grow.
+    The target is complete once it has as many pieces as the source, with no wait for
+    it to stay quiet (here longer than the timeout: waiting would report incomplete)."""
+    bus = coordinator.bus
+    async with running_worker(settings, ECHO, "echo"):
+        await coordinator.open("src")
+        for text in TEXTS:
+            await coordinator.authority.append("src", InputMode.APPEND_TEXT, TextPayload(text))
+        await collect(coordinator, len(TEXTS))
+        report = await replay_session(
+            bus, ECHO, "src", "open-ended", wait_timeout_s=20.0, quiet_s=60.0
+        )
+    assert report.complete and report.identical, report.summary()
+    assert report.comparison.target_outputs == 1  # five deltas of one answer, as read
+
+
 async def test_replay_needs_a_known_source_and_a_new_target(coordinator):
     with pytest.raises(SessionNotFoundError):
         await replay_session(coordinator.bus, ECHO, "nobody", "t")
