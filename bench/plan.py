@@ -51,6 +51,9 @@ class Plan:
     """Paced session counts measured with the linger off and at its shipped value."""
     linger_repeats: int = 2
     """Times each setting is measured per session count, alternating with the other."""
+    scaleout_sessions_per_worker: int = 40
+    """Paced sessions each worker serves when workers are added with their sessions
+    (``bench.scaleout``), for each worker count of ``throughput_workers``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,4 +108,5 @@ QUICK = Plan(
     takein_sessions=(100, 1000),
     linger_sessions=(50,),
     linger_repeats=1,
+    scaleout_sessions_per_worker=20,
 )

@@ -48,6 +48,8 @@ from bench.raw_peer import GROUP, ensure_group
 
 CHUNK = bytes(1280)
 BATCH = 64
+BATCHED_RUNS = 3
+"""Runs of the batched stream; its figures are the median run's."""
 PRODUCERS = 64
 """Concurrent senders of the unbatched stream: as many as the throughput benchmark's
 client has (one per session)."""
@@ -242,8 +244,17 @@ async def run(server: PrivateRedis, plan: Any, log_dir: Any) -> dict[str, Any]:
     server.flush()
     result["unbatched"] = await stream(server, "one", plan.raw_stream_events // 4, 1, log_dir)
     server.flush()
-    result["batched"] = await stream(server, "batch", plan.raw_stream_events, BATCH, log_dir)
-    server.flush()
+    # The batched stream is short (about a second) and the reference of section 3's
+    # ratios: its median of BATCHED_RUNS runs, with every run's rate kept.
+    runs = []
+    for run_index in range(BATCHED_RUNS):
+        runs.append(
+            await stream(server, f"batch{run_index}", plan.raw_stream_events, BATCH, log_dir)
+        )
+        server.flush()
+    runs.sort(key=lambda run: run["events_per_s"])
+    result["batched"] = {**runs[len(runs) // 2], "runs_events_per_s": [
+        run["events_per_s"] for run in runs]}  # fmt: skip
     result["xadd_sequential"] = await xadd_only(server, plan.raw_stream_events // 4, 1)
     server.flush()
     result["xadd_concurrent"] = await xadd_only(server, plan.raw_stream_events // 2, 64)

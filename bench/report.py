@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import linger, primaries, takein
+from bench import linger, primaries, scaleout, takein
 from bench.mdformat import f, ms_pair, table, x
 from bench.report_sections import (
     GPU_RESULTS,
@@ -132,6 +132,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
                 ]
             )
     rows += cpu_growth_rows(tp.get("points", []))
+    rows += scaleout.summary_rows(tp.get("scaled_out", []))
     bi = ok.get("bargein", {})
     for name in ("echo", "vllm"):
         part = bi.get(name, {})

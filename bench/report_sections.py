@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from bench import scaleout
 from bench.common import ROOT
 from bench.mdformat import cpu_us, f, failed, ms_pair, table, x
 from bench.throughput import CORES, per_worker_rows
@@ -72,6 +73,11 @@ def raw_section(s: dict[str, Any] | None) -> str:
         "microseconds per event are summed over the processes involved (client, peer,\n"
         "redis); unlike latency they barely change with other load on the machine."
     )
+    if runs := s["batched"].get("runs_events_per_s"):
+        out.append(
+            f"\nThe batched stream was run {len(runs)} times; its row is the median run "
+            f"(events/s of the runs: {', '.join(f(r, 0) for r in runs)})."
+        )
     return "\n".join(out)
 
 
@@ -179,13 +185,29 @@ def throughput_section(s: dict[str, Any] | None) -> str:
         out.append(
             "\nPer worker process, and what the same CPU per event gives on a bigger machine:\n"
             f"{CORES} cores shared by every process, Redis (one thread) capped at one core. On\n"
-            "2 cores the sum cannot grow with workers; the cost per event staying flat is what\n"
-            "says that adding workers adds capacity where there are cores for them. Where the\n"
-            "projection is Redis's one core, more is a Redis Cluster's work (section 10).\n"
+            "2 cores the sum cannot grow with workers; what says whether adding workers adds\n"
+            "capacity where there are cores for them is the cost per event of a worker added\n"
+            "with its sessions (the next table). Where the projection is Redis's one core, more\n"
+            "is a Redis Cluster's work (section 10).\n"
         )
         out.append(table(
             ["workers", "ev/s per worker", "CPU per event", "in workers", "in Redis",
              f"projected on {CORES} cores"], per_worker))  # fmt: skip
+    if scaled := s.get("scaled_out"):
+        out.append(
+            "\n**Adding workers with their sessions** (`bench/scaleout.py`). Above, one fixed\n"
+            "set of sessions is split between more workers: each gets a smaller share of the\n"
+            "rate, its rounds carry fewer events, and the fixed cost of a round (a wake-up, a\n"
+            "read, a publish) is paid by fewer events. Scaling out is adding a worker *with*\n"
+            f"load: here every worker serves {scaled[0]['sessions']} paced sessions (25 chunks/s "
+            "each, as in\nsection 2), so every worker runs at the same rate whatever their number, "
+            "and CPU\nper event is every process's CPU time (coordinator and client, Redis, all "
+            "workers)\nper event sent. At 25 events/s a session, much of that is fixed work "
+            "(heartbeats,\nblocking reads, the coordinator's loops) that more events share, so "
+            "the figure\nfalls as workers and their sessions are added; what matters is that it "
+            "does not\ngrow.\n"
+        )
+        out.append(table(scaleout.HEADER, scaleout.rows(scaled)))
     return "\n".join(out)
 
 

@@ -3,7 +3,9 @@
 The client side sends 40 ms chunks over ``plan.throughput_sessions`` sessions
 as fast as their echoes come back, with at most ``plan.throughput_window``
 events in flight (sent, not yet delivered), for 1, 2 and 4 echo worker
-processes. The figure is events delivered per second once warm.
+processes. The figure is events delivered per second once warm. Then the same
+worker counts each serve their own paced sessions (``bench.scaleout``): what an
+event costs as workers are added with their load.
 
 The references are the raw Python stream limits measured in the same run
 (``bench.raw``): ``unbatched`` (one command per message on every side, as
@@ -17,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench import scaleout
 from bench.common import BenchRedis, PrivateRedis, ratio
 from bench.load import saturate
 from bench.rig import echo_rig
@@ -62,6 +65,7 @@ async def run(
         "reference_unbatched_eps": unbatched,
         "reference_batched_eps": batched,
         "points": points,
+        "scaled_out": await scaleout.run(server, plan, log_dir),
     }
 
 
@@ -105,7 +109,8 @@ def cpu_growth_rows(points: list[dict[str, Any]]) -> list[list[Any]]:
     for p in points[1:]:
         cpu = p.get("cpu_us_per_event") or {}
         if cpu and one:
-            rows.append(["3", f"CPU per event, all processes, {p['workers']} workers",
+            rows.append(["3", f"CPU per event, all processes, {p['workers']} workers sharing "
+                         f"{p['sessions']} sessions, saturated",
                          f"{cpu['total']:,.0f} us", f"1 worker {one:,.0f} us",
                          f"{cpu['total'] / one:.2f}x"])  # fmt: skip
     return rows
