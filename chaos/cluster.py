@@ -12,6 +12,7 @@ new id).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,18 +33,46 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+BUS_OFFSET = 10_000
+"""A cluster node's bus listens on its port + 10000."""
+
+_handed_out: set[int] = set()
+"""Ports (and bus ports) ``cluster_port`` gave this process: the nodes of one cluster
+are given ports before any of them starts, so one's bus port must not be another's."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel picks outgoing connections' local ports from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(200):
-        port = free_port()
-        if port > 55_535:
+    """A free port whose cluster bus port (port + 10000) is free too, both below the
+    ephemeral range where the kernel can (an outgoing connection's local port would
+    take one between this choice and the node's start), and neither given out before."""
+    low, _ = ephemeral_range()
+    below = range(10_000, low - BUS_OFFSET) if low - BUS_OFFSET > 12_000 else None
+    for _ in range(500):
+        port = random.choice(below) if below else free_port()
+        pair = {port, port + BUS_OFFSET}
+        if port + BUS_OFFSET > 65_535 or pair & _handed_out:
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 10_000))
-            except OSError:
-                continue
-        return port
+        if _bindable(port) and _bindable(port + BUS_OFFSET):
+            _handed_out.update(pair)
+            return port
     raise RuntimeError("no free port pair for a cluster node")
 
 

@@ -43,8 +43,12 @@ class RedisCluster:
         return f"redis+cluster://{seeds}"
 
     def start(self) -> None:
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:
+            self.stop()  # the nodes already started do not outlive a failed start
+            raise
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RuntimeError("redis-cli is not installed; run scripts/setup")

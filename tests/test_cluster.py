@@ -34,6 +34,20 @@ def test_a_cluster_url_names_one_seed_node_or_several():
         seed_nodes("redis+cluster://a:1,b")
 
 
+def test_the_nodes_of_a_cluster_get_ports_whose_bus_ports_no_other_node_takes():
+    """All six nodes get their ports before any starts: one node's bus port (port +
+    10000) must not be another's port (CI once saw a node refused its port so), and
+    none may lie where the kernel picks outgoing connections' local ports."""
+    from chaos.cluster import BUS_OFFSET, cluster_port, ephemeral_range
+
+    ports = [cluster_port() for _ in range(12)]
+    every = ports + [port + BUS_OFFSET for port in ports]
+    assert len(set(every)) == len(every)
+    low, _ = ephemeral_range()
+    if low - BUS_OFFSET > 12_000:  # a machine whose ephemeral range leaves room below it
+        assert all(port < low for port in every)
+
+
 def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
     node = redis_cluster.live()
     keys = Keys("slots", cluster=True)
