@@ -227,6 +227,12 @@ class CpuMeter:
         return per
 
 
+def cpu_of(cpu: dict[str, float], kind: str) -> float:
+    """The share of a ``per_event_us`` figure spent in the processes named ``kind...``:
+    ``worker`` (every worker process) or ``redis`` (every Redis node)."""
+    return sum(v for k, v in cpu.items() if k.startswith(kind))
+
+
 class Child:
     """A child process with its output in a log file; ended only by its own pid."""
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchRedis, PrivateRedis, ratio
+from bench.common import BenchRedis, PrivateRedis, cpu_of, ratio
 from bench.mdformat import f, failed, table, x
 from bench.throughput import saturated
 from chaos.cluster import cluster_port
@@ -139,7 +139,7 @@ def section(s: dict[str, Any] | None) -> str:
     rows = []
     for p in s["points"]:
         cpu = p["cpu_us_per_event"]
-        redis_us = sum(v for k, v in cpu.items() if k.startswith("redis"))
+        redis_us = cpu_of(cpu, "redis")
         rows.append([f(p["primaries"]), f"{f(p['events_per_s'], 0)} ev/s",
                      x(p["ratio_to_raw_batched"]), f"{f(cpu['total'], 0)} us",
                      f"{f(redis_us, 0)} us"])  # fmt: skip

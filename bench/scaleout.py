@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import PrivateRedis
+from bench.common import PrivateRedis, cpu_of
 from bench.latency import measure, served
 
 
@@ -42,12 +42,6 @@ async def run(server: PrivateRedis, plan: Any, log_dir: Path) -> list[dict[str, 
     return points
 
 
-def _split(cpu: dict[str, float]) -> tuple[float, float]:
-    """CPU per event in the workers together, and in Redis."""
-    workers = sum(v for k, v in cpu.items() if k.startswith("worker"))
-    return workers, sum(v for k, v in cpu.items() if k.startswith("redis"))
-
-
 def rows(points: list[dict[str, Any]]) -> list[list[str]]:
     """The section's table: one row per worker count."""
     one = (points[0].get("cpu_us_per_event") or {}).get("total") if points else None
@@ -58,7 +52,7 @@ def rows(points: list[dict[str, Any]]) -> list[list[str]]:
             out.append([f"{p['workers']}", f"{p['sessions']:,}", "-", "-", "-", "-", "-", "-",
                         "-", p.get("error", "no CPU figures")])  # fmt: skip
             continue
-        workers_us, redis_us = _split(cpu)
+        workers_us, redis_us = cpu_of(cpu, "worker"), cpu_of(cpu, "redis")
         per_worker = p["delivered_eps"] / p["workers"]
         lat = p["latency"]
         out.append([

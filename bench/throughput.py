@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import scaleout
-from bench.common import BenchRedis, PrivateRedis, ratio
+from bench.common import BenchRedis, PrivateRedis, cpu_of, ratio
 from bench.load import saturate
 from bench.rig import echo_rig
 
@@ -77,7 +77,7 @@ def projected_eps(cpu: dict[str, float], cores: int = CORES) -> float:
     """Events/s on ``cores`` cores from measured CPU per event: the processes' total CPU
     spread over the cores, but Redis (one thread) capped at one core."""
     total = cpu.get("total", 0.0)
-    redis_us = sum(v for k, v in cpu.items() if k.startswith("redis"))
+    redis_us = cpu_of(cpu, "redis")
     limits = [cores * 1e6 / total if total else 0.0]
     if redis_us:
         limits.append(1e6 / redis_us)
@@ -92,8 +92,7 @@ def per_worker_rows(points: list[dict[str, Any]]) -> list[list[str]]:
         cpu = p.get("cpu_us_per_event") or {}
         if not cpu:
             continue
-        workers_us = sum(v for k, v in cpu.items() if k.startswith("worker"))
-        redis_us = sum(v for k, v in cpu.items() if k.startswith("redis"))
+        workers_us, redis_us = cpu_of(cpu, "worker"), cpu_of(cpu, "redis")
         rows.append([
             f"{p['workers']}", f"{p['events_per_s'] / p['workers']:,.0f}",
             f"{cpu['total']:,.0f} us", f"{workers_us:,.0f} us", f"{redis_us:,.0f} us",
