@@ -452,8 +452,7 @@ async def _wait_outputs(
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
-    read = ended = 0
-    """Outputs as read (``as_read``), counted as they come, and answers ended."""
+    read = ended = 0  # outputs as read (``as_read``), counted as they come; answers ended
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
@@ -461,10 +460,12 @@ async def _wait_outputs(
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
-            for event in pipeline_outputs(follower, page):
+            events = pipeline_outputs(follower, page)
+            for event in events:
                 read += not (outputs and joins(outputs[-1], event))
                 ended += event.kind is OutputKind.DONE
                 outputs.append(event)
+            if events:
                 last_growth = time.monotonic()
             continue
         now = time.monotonic()
