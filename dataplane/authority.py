@@ -20,7 +20,6 @@ import itertools
 import json
 import secrets
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -75,6 +74,16 @@ def _fence(session_id: str, reply: list[Any], start: int) -> Fence:
     return Fence(session_id, inc, epoch, turn, resp)
 
 
+class _Serial:
+    """One session's lock and how many calls hold it or wait for it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
 class SessionAuthority:
     """Fence authority for the sessions of one pipeline, backed by Redis."""
 
@@ -86,18 +95,27 @@ class SessionAuthority:
         self.producer = secrets.token_hex(8)
         """This authority's producer id in the scripts' retry detection."""
         self._numbers = itertools.count(1)
-        self._serial: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._serial: dict[str, _Serial] = {}
+        """The sessions with a call in flight or waiting, each with its lock: an entry is
+        removed when its last user leaves, so the map holds only busy sessions."""
 
     async def _call(
         self, script: Any, session_id: str, keys: Sequence[str], args: Sequence[Any]
     ) -> list[Any]:
         """Run a mutating script as this producer's next call on ``session_id``: one at a
         time per session (the session's lock), numbered in increasing order."""
-        lock = self._serial.get(session_id)
-        if lock is None:
-            lock = self._serial[session_id] = asyncio.Lock()
-        async with lock:
-            return await self.bus.run(script, keys, [*args, self.producer, next(self._numbers)])
+        serial = self._serial.get(session_id)
+        if serial is None:
+            serial = self._serial[session_id] = _Serial()
+        serial.users += 1
+        try:
+            async with serial.lock:
+                numbered = [*args, self.producer, next(self._numbers)]
+                return await self.bus.run(script, keys, numbered)
+        finally:
+            serial.users -= 1
+            if not serial.users:
+                del self._serial[session_id]
 
     def _reader_keys(self, sk: Any) -> list[str]:
         """(bell, lease) of each stage reading the session's input: an append rings the

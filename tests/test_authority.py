@@ -179,3 +179,27 @@ async def test_two_coordinators_never_share_a_seq(redis_server, key_prefix):
     finally:
         for b in buses:
             await b.aclose()
+
+
+async def test_concurrent_calls_on_a_session_go_one_at_a_time_in_the_order_made(authority, bus):
+    """The callers of one session take turns in the order they called, a caller that
+    gives up while waiting leaves the others their turn, and once every call is done the
+    authority keeps nothing for the session (no state grows with the sessions served)."""
+    await authority.open("s1")
+    await authority.open("s2")
+    calls = [
+        asyncio.create_task(authority.append("s1", "append_text", TextPayload(f"t{i}")))
+        for i in range(20)
+    ]
+    other = asyncio.create_task(authority.append("s2", "append_text", TextPayload("o")))
+    await asyncio.sleep(0)  # every call has started: the first holds s1, the rest wait
+    calls[5].cancel()
+    done = await asyncio.gather(*calls, other, return_exceptions=True)
+    assert isinstance(done[5], asyncio.CancelledError)
+    seqs = [r.seq for i, r in enumerate(done[:20]) if i != 5]
+    assert seqs == list(range(1, 20))
+    entries = await bus.xrange(bus.keys.session("s1").input)
+    texts = [decode_input(e.event).payload.text for e in entries]
+    assert texts == [f"t{i}" for i in range(20) if i != 5]
+    assert done[20].seq == 1
+    assert authority._serial == {}

@@ -172,6 +172,8 @@ class SessionActor:
         self.coalesce = DEFAULT_POLICY if settings is None else CoalescePolicy.of(settings)
         # The per-event counters, looked up once (a label lookup costs a lock and a dict).
         self._events_in = EVENTS_IN.labels(stage=ctx.stage)
+        self._taken_in = 0
+        """Events of the batch being applied, for ``_events_in``."""
         self._events_out = EVENTS_OUT.labels(stage=ctx.stage)
         self._publishes = PUBLISHES.labels(stage=ctx.stage)
         self._answer_now = getattr(backend, "answer_now", None)
@@ -242,6 +244,9 @@ class SessionActor:
                     break
                 self._stage_proactive()
         finally:
+            if self._taken_in:  # counted once per batch: an increment takes a lock
+                self._events_in.inc(self._taken_in)
+                self._taken_in = 0
             covered = len(entries)  # whole queued batches (``next_batch``)
             while covered > 0 and self.backlog:
                 covered -= self.backlog.popleft()[1]
@@ -264,7 +269,7 @@ class SessionActor:
             self.view.observe(event.fence)
             self._advance(entry.id, None)
             return
-        self._events_in.inc()
+        self._taken_in += 1
         if step is Step.SKIP:
             return
         if is_session_event(event):
