@@ -70,8 +70,14 @@ def encode_tail(mode: InputMode, payload: Payload, ts_ms: int) -> bytes:
 
 
 def _fence(session_id: str, reply: list[Any], start: int) -> Fence:
-    inc, epoch, turn, resp = (int(v) for v in reply[start : start + 4])
-    return Fence(session_id, inc, epoch, turn, resp)
+    # Indexed one by one: a generator over the slice cost twice the Fence itself per append.
+    return Fence(
+        session_id,
+        int(reply[start]),
+        int(reply[start + 1]),
+        int(reply[start + 2]),
+        int(reply[start + 3]),
+    )
 
 
 class _Serial:
@@ -183,7 +189,7 @@ class SessionAuthority:
     ) -> AppendReceipt:
         """Append one input to the session log under ``fence`` (or the current fence)."""
         try:
-            checked = InputMode(mode)
+            checked = mode if type(mode) is InputMode else InputMode(mode)
         except ValueError as exc:
             raise UnsupportedModeError(f"input mode {mode!r} is not supported") from exc
         if type(payload) is not PAYLOAD_FOR_MODE[checked]:
