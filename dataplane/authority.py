@@ -194,7 +194,7 @@ class SessionAuthority:
             raise UnsupportedModeError(f"input mode {mode!r} is not supported") from exc
         if type(payload) is not PAYLOAD_FOR_MODE[checked]:
             raise TypeError(f"mode {checked.value} needs a {PAYLOAD_FOR_MODE[checked].__name__}")
-        given = ["0", 0, 0, 0, 0]
+        given: list[Any] = ["0"]
         if fence is not None:
             fence = require_fence(fence)
             if fence.session_id != session_id:

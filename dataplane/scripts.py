@@ -198,8 +198,10 @@ return remember(KEYS[1], {'ok', inc})
 """
 
 # KEYS: meta in (bell lease)*   (each stage reading the session's input: its bell, its lease)
-# ARGV: sid mode tail given(0|1) inc ep tu rs producer pseq
-# ``tail`` is the msgpack of the event's mode, payload and ts_ms entries.
+# ARGV: sid mode tail given(0|1) [inc ep tu rs, when given] producer pseq
+# ``tail`` is the msgpack of the event's mode, payload and ts_ms entries. The fence's
+# numbers are kept as the strings read (or given) where they only go back out: turning
+# a Lua number into text costs a formatted print each.
 APPEND = r"""
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
   'tkey', 'caps', RECORD)
@@ -209,8 +211,10 @@ if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local inc, ep, tu, rs = cinc, cep, ctu, crs
+local sinc, sep, stu, srs = m[2], m[3], m[4], m[5]
 if ARGV[4] == '1' then
-  inc, ep, tu, rs = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  sinc, sep, stu, srs = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+  inc, ep, tu, rs = tonumber(sinc), tonumber(sep), tonumber(stu), tonumber(srs)
   local why = mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
   if why then return {'mismatch', why, cinc, cep, ctu, crs} end
 end
@@ -218,7 +222,7 @@ if m[9] ~= '' and not string.find(' ' .. m[9] .. ' ', ' ' .. ARGV[2] .. ' ', 1, 
   return {'unsupported'}
 end
 local seq = tonumber(m[6]) + 1
-local tkey = ep .. ':' .. tu
+local tkey = sep .. ':' .. stu
 local tseq = 1
 if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
 -- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in the
@@ -240,9 +244,10 @@ if tkey ~= m[8] then
   changes[#changes + 1] = 'tkey'
   changes[#changes + 1] = tkey
 end
-if PRODUCER ~= '' then
+if PRODUCER ~= '' then  -- record(reply), built from the strings at hand
   changes[#changes + 1] = RECORD
-  changes[#changes + 1] = record(reply)
+  changes[#changes + 1] = table.concat({ARGV[#ARGV], 'ok', seq, tseq, sinc, sep, stu, srs, id},
+    ' ')
 end
 redis.call('HSET', KEYS[1], unpack(changes))
 return reply

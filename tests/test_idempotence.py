@@ -70,6 +70,24 @@ async def test_a_retried_append_appends_once(rig):
     assert (await rig.authority.append("s1", "append_text", TextPayload("next"))).seq == 2
 
 
+async def test_a_retried_append_under_a_given_fence_answers_as_the_first_time(rig):
+    """An append that moves the fence (a later turn and response) recorded its reply; the
+    retry gets that reply again, fence included, and appends nothing more."""
+    from schemas.fence import Fence
+
+    await rig.authority.open("s1")
+    await rig.authority.append("s1", "append_text", TextPayload("first"))
+    rig.drop_next(rig.bus.append_script)
+    ahead = Fence("s1", 0, 0, 2, 3)
+    receipt = await rig.authority.append("s1", "append_text", TextPayload("x"), fence=ahead)
+    assert rig.proxy.dropped == 1
+    assert (receipt.seq, receipt.turn_seq, receipt.fence) == (2, 1, ahead)
+    assert await rig.bus.xlen(rig.sk.input) == 2
+    assert (await rig.meta("turn"), await rig.meta("resp")) == (2, 3)
+    then = await rig.authority.append("s1", "append_text", TextPayload("y"))
+    assert (then.seq, then.turn_seq, then.fence) == (3, 2, ahead)
+
+
 async def test_a_retried_cancel_bumps_the_epoch_once(rig):
     await rig.authority.open("s1")
     rig.drop_next(rig.bus.cancel_script)
