@@ -25,7 +25,10 @@ class Coordinator:
         self.settings = settings
         self.pipeline = pipeline
         self.bus = RedisBus(
-            settings.redis_url, Keys(settings.key_prefix), linger_ms=settings.linger_ms
+            settings.redis_url,
+            Keys(settings.key_prefix),
+            linger_ms=settings.linger_ms,
+            batch_size=settings.append_batch,
         )
         self.authority = SessionAuthority(self.bus, pipeline)
         self.reader = OutputReader(self.bus, block_ms=settings.block_ms, sweep_ms=settings.sweep_ms)

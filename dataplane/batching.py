@@ -9,6 +9,13 @@ and sends them as one pipeline (no transaction) on the next turn; under load,
 a batch that would follow the previous one within the linger
 (``dataplane.pacing``) waits out the rest and carries what came meanwhile.
 
+With a ``batch_size`` (Kafka's producer ``batch.size``), a batch that fills up
+is sent at once, written to the socket before the turn's later calls are made,
+and those form the next batch. A coordinator's appends are made in one turn by
+every client its last reply woke; sent whole, Redis waited while they were
+built and the coordinator while Redis ran them. Sent as they fill, the two
+overlap (``tests/test_batching.py``; docs/scaling.md measures it).
+
 Several calls of one script in a batch go as one call of its *multi* form
 (``multi_script``): the script run once per call inside one EVALSHA, each call
 with its own KEYS and ARGV and its own reply (an error in one is that call's
@@ -98,6 +105,11 @@ def multi_script(script: str) -> Multi:
     return Multi(text + _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish))
 
 
+_Started = tuple[dict[str, list["_Call"]], int, Any]
+"""A batch being sent: its calls grouped by script, the SCRIPT LOADs ahead of its
+replies, and what ``Pipe.start`` returned for it."""
+
+
 class _Call:
     __slots__ = ("args", "future", "keys", "script")
 
@@ -124,6 +136,13 @@ class Pipe(Protocol):
     async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Replies in order; an error reply as its exception, not raised."""
 
+    def start(self, commands: Sequence[Sequence[Any]]) -> Any:
+        """Begin sending ``commands`` now where the pipe can (``Lane.start``); the
+        replies come from ``replies`` with what this returned."""
+
+    async def replies(self, started: Any) -> list[Any]:
+        """The replies to what ``start`` began, as ``pipeline`` gives them."""
+
     async def load(self, script: str) -> None:
         """SCRIPT LOAD."""
 
@@ -140,6 +159,12 @@ class RedisPyPipe:
                 pipe.execute_command(*command)
             return list(await pipe.execute(raise_on_error=False))
 
+    def start(self, commands: Sequence[Sequence[Any]]) -> Any:
+        return commands  # redis-py writes when the replies are awaited
+
+    async def replies(self, started: Any) -> list[Any]:
+        return await self.pipeline(started)
+
     async def load(self, script: str) -> None:
         await self.client.script_load(script)
 
@@ -147,8 +172,10 @@ class RedisPyPipe:
 class ScriptBatcher:
     """Coalesces concurrent script calls on one Redis into pipelines."""
 
-    def __init__(self, pipe: Pipe, linger_ms: float = 0.0) -> None:
+    def __init__(self, pipe: Pipe, linger_ms: float = 0.0, batch_size: int = 0) -> None:
         self.pipe = pipe
+        self.batch_size = batch_size
+        """A batch this big is sent at once instead of at the end of the turn (0: never)."""
         self._pacer = Pacer(linger_ms)
         """A batch that would follow the previous one within the linger waits for it."""
         self._pending: list[_Call] = []
@@ -166,25 +193,38 @@ class ScriptBatcher:
             else:
                 asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(call)
+        if len(self._pending) == self.batch_size:
+            self._flush()  # the rest of the turn's calls form the next batch
         return await call.future
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
+        if not pending:
+            return  # sent already, as a full batch
         self._pacer.started()
         self._pacer.carried(len(pending))
         for start in range(0, len(pending), MAX_BATCH):
-            task = asyncio.create_task(self._send(pending[start : start + MAX_BATCH]))
+            calls = pending[start : start + MAX_BATCH]
+            # Written now (a connected lane): Redis runs this batch while the loop goes on.
+            try:
+                first = self._start(calls)
+            except Exception as exc:  # its callers hear of it; the batcher goes on
+                for call in calls:
+                    _settle(call, exc)
+                continue
+            task = asyncio.create_task(self._send(calls, first))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, calls: list[_Call]) -> None:
+    async def _send(self, calls: list[_Call], first: _Started) -> None:
         try:
-            todo = calls
+            groups, loads, started = first
+            todo = self._settle_groups(groups, (await self.pipe.replies(started))[loads:])
             for _ in range(3):
-                todo = await self._send_once(todo)
                 if not todo:
                     return
                 await self._load({id(c.script): c.script for c in todo}.values())
+                todo = await self._send_once(todo)
             for call in todo:
                 _settle(call, NoScriptError("the script cache keeps losing scripts"))
         except BaseException as exc:
@@ -195,6 +235,12 @@ class ScriptBatcher:
 
     async def _send_once(self, calls: list[_Call]) -> list[_Call]:
         """Send ``calls``; settle their futures; return those refused with NOSCRIPT."""
+        groups, loads, started = self._start(calls)
+        return self._settle_groups(groups, (await self.pipe.replies(started))[loads:])
+
+    def _start(self, calls: list[_Call]) -> _Started:
+        """Start sending ``calls``: their groups by script, how many SCRIPT LOADs lead the
+        replies, and what the pipe began."""
         groups: dict[str, list[_Call]] = {}
         for call in calls:
             groups.setdefault(call.script.sha, []).append(call)
@@ -204,7 +250,10 @@ class ScriptBatcher:
         loads = [("SCRIPT", "LOAD", m.script) for m in self._multis.values() if not m.sent]
         for multi in self._multis.values():
             multi.sent = True
-        replies = (await self.pipe.pipeline(loads + commands))[len(loads) :]
+        return groups, len(loads), self.pipe.start(loads + commands)
+
+    def _settle_groups(self, groups: dict[str, list[_Call]], replies: list[Any]) -> list[_Call]:
+        """Settle each group's calls with its reply; return those refused with NOSCRIPT."""
         missing: list[_Call] = []
         for group, reply in zip(groups.values(), replies, strict=True):
             if isinstance(reply, NoScriptError):

@@ -166,6 +166,7 @@ class RedisBus:
         *,
         command_timeout: float = 5.0,
         linger_ms: float = 0.0,
+        batch_size: int = 0,
     ):
         self.url = url
         self.linger_ms = linger_ms
@@ -186,8 +187,9 @@ class RedisBus:
         self.lane = self._lane() if url.startswith("redis://") else None
         """The hot path's connection (scripts, stream reads) on one plain-TCP Redis."""
         self._readers: list[Reader] = []
-        self._batcher = ScriptBatcher(self.lane or RedisPyPipe(self.client), linger_ms)
-        """Script calls made in the same loop turn share one round trip."""
+        self._batcher = ScriptBatcher(self.lane or RedisPyPipe(self.client), linger_ms, batch_size)
+        """Script calls made in the same loop turn share one round trip (``batch_size``:
+        a batch that big goes at once, the rest of the turn's calls in the next)."""
         self._replicated = ReplicatedRunner(self.client) if self.cluster else None
         """On a cluster, scripts are acknowledged once a replica has their writes."""
         self.open_script = self._register(scripts.OPEN)

@@ -17,6 +17,8 @@ second way, kept small:
   not come within the timeout close the connection: every caller waiting on it
   gets a ``TimeoutError`` or ``ConnectionError`` (redis-py's), and the next call
   connects afresh (``tests/test_lane.py``).
+- ``start`` writes a batch at once, before anyone awaits its replies (``replies``
+  does): Redis runs it while this process goes on building the next.
 - ``pipeline`` retries a batch lost with its connection (refused, reset, timed
   out, or answered ``LOADING`` by a Redis still reading its data) with the same
   backoff as ``RedisBus``'s client, so a Redis restart is a pause, not a crash.
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -121,6 +124,26 @@ class _Protocol(asyncio.Protocol):
             self.transport.abort()
 
 
+_Written = tuple[_Protocol, "asyncio.Future[list[Any]]"]
+"""A batch on the socket: the connection it went to and the future of its replies."""
+
+
+class Started(NamedTuple):
+    """A batch ``Lane.start`` began: its commands, and where it was written (None: not
+    yet, the lane was not connected)."""
+
+    commands: Sequence[Sequence[Any]]
+    written: _Written | None
+    extra_timeout_s: float
+
+
+def _read_error(future: asyncio.Future[list[Any]]) -> None:
+    """A started batch nobody came to wait for (its sender's task was cancelled first):
+    its connection's error is read here rather than reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Lane:
     """One pipelined connection to the Redis of a ``redis://`` URL."""
 
@@ -156,11 +179,41 @@ class Lane:
     ) -> list[Any]:
         """Send ``commands`` together and return their replies in order, error replies
         as exception objects; a batch lost with its connection is sent again."""
+        return await self._replies(commands, None, extra_timeout_s)
+
+    def start(self, commands: Sequence[Sequence[Any]], *, extra_timeout_s: float = 0.0) -> Started:
+        """Begin a ``pipeline`` now, before anyone awaits: a connected lane puts the
+        commands on the socket at once, so Redis runs them while this process goes on
+        (``dataplane.batching`` sends a full batch this way). ``replies`` then waits for
+        them, retrying as ``pipeline`` does. Nothing is left to clean up if it never is."""
+        written = None
+        protocol = self._protocol
+        if protocol is not None and not protocol.closed:
+            with contextlib.suppress(DataError):  # raised to whoever awaits the replies
+                written = self._write(protocol, commands)
+                written[1].add_done_callback(_read_error)
+        return Started(commands, written, extra_timeout_s)
+
+    async def replies(self, started: Started) -> list[Any]:
+        """The replies to a batch ``start`` began, in order, as ``pipeline`` gives them."""
+        return await self._replies(started.commands, started.written, started.extra_timeout_s)
+
+    async def _replies(
+        self,
+        commands: Sequence[Sequence[Any]],
+        written: _Written | None,
+        extra_timeout_s: float,
+    ) -> list[Any]:
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         failures = 0
         while True:
             try:
-                replies = await self._send(commands, extra_timeout_s)
+                if written is not None:
+                    protocol, future = written
+                    written = None
+                    replies = await self._await(protocol, future, extra_timeout_s)
+                else:
+                    replies = await self._send(commands, extra_timeout_s)
                 if any(isinstance(reply, BusyLoadingError) for reply in replies):
                     raise BusyLoadingError("Redis is loading its data")
                 if self._down_since is not None:
@@ -191,6 +244,10 @@ class Lane:
         protocol = self._protocol
         if protocol is None or protocol.closed:
             protocol = await self._connect()
+        return await self._await(*self._write(protocol, commands), extra_timeout_s)
+
+    def _write(self, protocol: _Protocol, commands: Sequence[Sequence[Any]]) -> _Written:
+        """Put ``commands`` on the socket; their replies will settle the future."""
         try:  # the lane's command names are single words: hiredis packs them as they are
             buffer = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
         except TypeError as exc:
@@ -198,6 +255,11 @@ class Lane:
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(_Waiter(future, len(commands)))
         cast(asyncio.Transport, protocol.transport).write(buffer)
+        return protocol, future
+
+    async def _await(
+        self, protocol: _Protocol, future: asyncio.Future[list[Any]], extra_timeout_s: float
+    ) -> list[Any]:
         try:
             async with asyncio.timeout(self.timeout_s + extra_timeout_s):
                 if not protocol.writable.is_set():

@@ -4,14 +4,14 @@ calls of one script go as one call of its multi form, each with its own reply.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
 from redis.exceptions import ResponseError
 
 from dataplane.batching import ScriptBatcher
-from dataplane.lane import Lane
+from dataplane.lane import Lane, Started
 
 
 class Recording:
@@ -20,10 +20,16 @@ class Recording:
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
         self.commands: list[tuple[Any, ...]] = []
+        self.on_start: Callable[[int], None] = lambda _count: None
+        """Called with each batch's number of commands as it is started."""
 
-    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    def start(self, commands: Sequence[Sequence[Any]]) -> Started:
         self.commands += [tuple(c) for c in commands]
-        return await self.lane.pipeline(commands)
+        self.on_start(len(commands))
+        return self.lane.start(commands)
+
+    async def replies(self, started: Started) -> list[Any]:
+        return await self.lane.replies(started)
 
     async def load(self, script: str) -> None:
         await self.lane.load(script)
@@ -99,3 +105,36 @@ async def test_a_multi_form_is_loaded_again_after_the_script_cache_is_lost(recor
     assert await asyncio.gather(*(batcher.run(incr, [key], [1]) for _ in range(3))) == [1, 2, 3]
     await recording.lane.execute("SCRIPT", "FLUSH")
     assert await asyncio.gather(*(batcher.run(incr, [key], [1]) for _ in range(3))) == [4, 5, 6]
+
+
+async def test_a_full_batch_goes_to_redis_while_the_turn_goes_on(recording, key_prefix):
+    """With a batch size, the calls of one turn go in batches of that size, each started
+    (on the socket, for a connected lane) as it fills, before the turn's later calls are
+    even made; the rest go at the end of the turn. Replies keep the calls' order."""
+    batcher = ScriptBatcher(recording, batch_size=4)
+    incr = await Script(INCR_BY).load(recording.lane)
+    key = f"{key_prefix}:n"
+    made = 0
+    started: list[tuple[int, int]] = []
+    recording.on_start = lambda count: started.append((made, count))
+
+    async def call() -> int:
+        nonlocal made
+        made += 1
+        return int(await batcher.run(incr, [key], [1]))
+
+    assert await asyncio.gather(*(call() for _ in range(10))) == list(range(1, 11))
+    # (calls made when the batch started, its commands): one multi call per batch, the
+    # first led by the loading of the multi form
+    assert started == [(4, 2), (8, 1), (10, 1)]
+    assert [c[2] for c in recording.evalshas()] == [4, 4, 2]
+
+
+async def test_without_a_batch_size_a_turn_goes_as_one_batch(recording, key_prefix):
+    batcher = ScriptBatcher(recording)
+    incr = await Script(INCR_BY).load(recording.lane)
+    key = f"{key_prefix}:n"
+    assert await asyncio.gather(*(batcher.run(incr, [key], [1]) for _ in range(10))) == list(
+        range(1, 11)
+    )
+    assert [c[2] for c in recording.evalshas()] == [10]

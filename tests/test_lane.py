@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import shutil
 import subprocess
 import time
@@ -52,6 +53,46 @@ async def test_a_caller_that_gives_up_leaves_the_connection_in_step(redis_server
             await read
         assert await lane.execute("SET", f"{key_prefix}:k", "v") == b"OK"
         assert await lane.execute("GET", f"{key_prefix}:k") == b"v"
+    finally:
+        await lane.aclose()
+
+
+async def test_a_started_batch_is_on_the_socket_before_anyone_awaits_it(redis_server, key_prefix):
+    """``start`` writes at once on a connected lane (Redis runs the batch while the caller
+    goes on); on a lane not yet connected, the replies' wait connects and sends it."""
+    lane = lane_of(redis_server.url)
+    check = lane_of(redis_server.url)  # another connection
+    try:
+        fresh = lane.start([("SET", f"{key_prefix}:a", "1")])
+        assert fresh.written is None  # not connected yet
+        assert await lane.replies(fresh) == [b"OK"]
+        started = lane.start([("SET", f"{key_prefix}:b", "2"), ("GET", f"{key_prefix}:b")])
+        assert started.written is not None
+        deadline = time.monotonic() + 2
+        while await check.execute("GET", f"{key_prefix}:b") is None:
+            assert time.monotonic() < deadline, "the started batch never reached Redis"
+            await asyncio.sleep(0.01)  # the batch's replies are not awaited meanwhile
+        assert await lane.replies(started) == [b"OK", b"2"]
+    finally:
+        await check.aclose()
+        await lane.aclose()
+
+
+async def test_a_started_batch_whose_sender_gave_up_reports_nothing(redis_server, caplog):
+    """A batch whose sender never came to wait (its task cancelled before its first step)
+    and whose connection then failed leaves no 'exception never retrieved' behind."""
+    lane = lane_of(redis_server.url)
+    try:
+        await lane.execute("PING")
+        started = lane.start([("PING",)])
+        assert started.written is not None
+        started.written[0].abort()
+        await asyncio.sleep(0.01)
+        assert started.written[1].done()
+        del started
+        gc.collect()
+        await asyncio.sleep(0)
+        assert "never retrieved" not in caplog.text
     finally:
         await lane.aclose()
 
