@@ -51,6 +51,12 @@ class Plan:
     """Paced session counts measured with the linger off and at its shipped value."""
     linger_repeats: int = 2
     """Times each setting is measured per session count, alternating with the other."""
+    latency_repeats: int = 3
+    """Runs of each served latency point; the point shown is the run with the median added
+    p99, every run's added p99 kept beside it (one stall of the machine moves one run)."""
+    throughput_pairs: int = 3
+    """Side-by-side pairs of the raw batched stream and the one-worker saturation point,
+    run one right after the other; the ratio reported is the median pair's."""
     scaleout_sessions_per_worker: int = 40
     """Paced sessions each worker serves when workers are added with their sessions
     (``bench.scaleout``), for each worker count of ``throughput_workers``."""
@@ -108,5 +114,7 @@ QUICK = Plan(
     takein_sessions=(100, 1000),
     linger_sessions=(50,),
     linger_repeats=1,
+    latency_repeats=1,
+    throughput_pairs=1,
     scaleout_sessions_per_worker=20,
 )

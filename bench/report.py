@@ -100,8 +100,10 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
     for p in ok.get("latency", {}).get("points", []):
         if "error" in p:
             continue
+        runs = len(p.get("runs_added_p99_ms", [])) or 1
         rows.append(["2", f"latency at {p['sessions']:,} session(s), p50 / p99"
-                     + ("" if p["served"] else " (not served: saturated)"),
+                     + ("" if p["served"] else " (not served: saturated)")
+                     + (f" (median of {runs} runs)" if runs > 1 else ""),
                      f"{ms_pair(p['latency'])}; added p99 {f(p['added_p99_ms'], 1)} ms",
                      "raw round trip " + ms_pair(p.get("reference_round_trip") or ok.get(
                          "latency", {}).get("reference_round_trip", {})),
@@ -118,6 +120,12 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
                 f"{x(p['ratio_to_raw_batched'])} ({x(p['ratio_to_raw_unbatched'])})",
             ]
         )
+    if median := tp.get("paired", {}).get("median"):
+        count = len(tp["paired"]["pairs"])
+        rows.append(["3", f"throughput, 1 echo worker, side by side ({count} pairs, median)",
+                     f"{f(median['events_per_s'], 0)} ev/s",
+                     f"raw batched {f(median['raw_batched_eps'], 0)} ev/s, run just before",
+                     x(median["ratio"])])  # fmt: skip
     raw_cpu = (raw_s or {}).get("batched", {}).get("cpu_us_per_event", {})
     for p in tp.get("points", [])[:1]:
         cpu = p.get("cpu_us_per_event", {})

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import scaleout
+from bench import raw, scaleout
 from bench.common import BenchRedis, PrivateRedis, cpu_of, ratio
 from bench.load import saturate
 from bench.rig import echo_rig
@@ -65,8 +65,34 @@ async def run(
         "reference_unbatched_eps": unbatched,
         "reference_batched_eps": batched,
         "points": points,
+        "paired": await paired(server, plan, log_dir),
         "scaled_out": await scaleout.run(server, plan, log_dir),
     }
+
+
+async def paired(server: PrivateRedis, plan: Any, log_dir: Path) -> dict[str, Any]:
+    """The one-worker ratio to the raw batched stream, side by side: ``plan.throughput_pairs``
+    times the raw stream and then the saturation point, one right after the other, so each
+    ratio's two rates see the machine in the same state; the median pair's ratio, and
+    every pair's."""
+    pairs = []
+    for index in range(plan.throughput_pairs):
+        reference = await raw.stream(server, f"pair{index}", plan.raw_stream_events, raw.BATCH,
+                                     log_dir)  # fmt: skip
+        server.flush()
+        point = await saturated(server, log_dir, f"pair{index}", 1, plan)
+        pairs.append({
+            "raw_batched_eps": reference["events_per_s"],
+            "events_per_s": point["events_per_s"],
+            "ratio": ratio(point["events_per_s"], reference["events_per_s"]),
+            "cpu_us_per_event": point["cpu_us_per_event"].get("total"),
+            "raw_cpu_us_per_event": reference["cpu_us_per_event"].get("total"),
+        })  # fmt: skip
+        print(f"  pair {index + 1}: raw batched {reference['events_per_s']:.0f} ev/s, "
+              f"1 worker {point['events_per_s']:.0f} ev/s ({pairs[-1]['ratio']:.2f}x)",
+              flush=True)  # fmt: skip
+    ordered = sorted(pairs, key=lambda pair: pair["ratio"])
+    return {"pairs": pairs, "median": ordered[(len(ordered) - 1) // 2]} if pairs else {}
 
 
 CORES = 16
