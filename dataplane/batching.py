@@ -131,17 +131,14 @@ def _settle(call: _Call, outcome: Any) -> None:
 
 
 class Pipe(Protocol):
-    """Where batches go: one Redis, one round trip per ``pipeline``."""
-
-    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Replies in order; an error reply as its exception, not raised."""
+    """Where batches go: one Redis, one round trip per batch."""
 
     def start(self, commands: Sequence[Sequence[Any]]) -> Any:
-        """Begin sending ``commands`` now where the pipe can (``Lane.start``); the
+        """Begin sending ``commands``, now where the pipe can (``Lane.start``); the
         replies come from ``replies`` with what this returned."""
 
     async def replies(self, started: Any) -> list[Any]:
-        """The replies to what ``start`` began, as ``pipeline`` gives them."""
+        """Replies in order; an error reply as its exception, not raised."""
 
     async def load(self, script: str) -> None:
         """SCRIPT LOAD."""
@@ -220,7 +217,7 @@ class ScriptBatcher:
         try:
             groups, loads, started = first
             todo = self._settle_groups(groups, (await self.pipe.replies(started))[loads:])
-            for _ in range(3):
+            for _ in range(2):  # refused with NOSCRIPT: load the scripts and send again
                 if not todo:
                     return
                 await self._load({id(c.script): c.script for c in todo}.values())

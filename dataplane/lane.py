@@ -185,7 +185,7 @@ class Lane:
         """Begin a ``pipeline`` now, before anyone awaits: a connected lane puts the
         commands on the socket at once, so Redis runs them while this process goes on
         (``dataplane.batching`` sends a full batch this way). ``replies`` then waits for
-        them, retrying as ``pipeline`` does. Nothing is left to clean up if it never is."""
+        them, retrying as ``pipeline`` does; a batch never waited for leaves nothing behind."""
         written = None
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
