@@ -101,9 +101,12 @@ class CountingClient:
         self.client = client
         self.pipelines = 0
 
-    async def pipeline(self, commands: Any) -> list[Any]:
+    def start(self, commands: Any) -> Any:
         self.pipelines += 1
-        return await RedisPyPipe(self.client).pipeline(commands)
+        return commands
+
+    async def replies(self, started: Any) -> list[Any]:
+        return await RedisPyPipe(self.client).pipeline(started)
 
     async def load(self, script: str) -> None:
         await self.client.script_load(script)
