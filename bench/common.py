@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from schemas.config import PipelineConfig, Settings
 
@@ -76,6 +76,15 @@ def ratio(value: float, reference: float) -> float:
     if not reference or math.isnan(reference) or math.isnan(value):
         return math.nan
     return round(value / reference, 3)
+
+
+_Run = TypeVar("_Run")
+
+
+def median_run(runs: Sequence[_Run], key: Callable[[_Run], float]) -> _Run:
+    """The run in the middle when ordered by ``key`` (the lower one of an even count): a
+    figure that one stall of a shared machine moves in one run only."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 # -- the private redis-server -------------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.common import PrivateRedis, ratio
+from bench.common import PrivateRedis, median_run, ratio
 from bench.load import paced_load
 from bench.raw import round_trip
 from bench.rig import echo_rig
@@ -125,7 +125,7 @@ async def _repeated(
         if not point["served"]:
             break
     runs.sort(key=lambda run: run["added_p99_ms"])
-    median = runs[(len(runs) - 1) // 2]
+    median = median_run(runs, lambda run: run["added_p99_ms"])
     median["runs_added_p99_ms"] = [run["added_p99_ms"] for run in runs]
     return median
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import raw, scaleout
-from bench.common import BenchRedis, PrivateRedis, cpu_of, ratio
+from bench.common import BenchRedis, PrivateRedis, cpu_of, median_run, ratio
 from bench.load import saturate
 from bench.rig import echo_rig
 
@@ -91,8 +91,9 @@ async def paired(server: PrivateRedis, plan: Any, log_dir: Path) -> dict[str, An
         print(f"  pair {index + 1}: raw batched {reference['events_per_s']:.0f} ev/s, "
               f"1 worker {point['events_per_s']:.0f} ev/s ({pairs[-1]['ratio']:.2f}x)",
               flush=True)  # fmt: skip
-    ordered = sorted(pairs, key=lambda pair: pair["ratio"])
-    return {"pairs": pairs, "median": ordered[(len(ordered) - 1) // 2]} if pairs else {}
+    if not pairs:
+        return {}
+    return {"pairs": pairs, "median": median_run(pairs, lambda pair: pair["ratio"])}
 
 
 CORES = 16
