@@ -215,13 +215,12 @@ class ScriptBatcher:
 
     async def _send(self, calls: list[_Call], first: _Started) -> None:
         try:
-            groups, loads, started = first
-            todo = self._settle_groups(groups, (await self.pipe.replies(started))[loads:])
+            todo = await self._finish(first)
             for _ in range(2):  # refused with NOSCRIPT: load the scripts and send again
                 if not todo:
                     return
                 await self._load({id(c.script): c.script for c in todo}.values())
-                todo = await self._send_once(todo)
+                todo = await self._finish(self._start(todo))
             for call in todo:
                 _settle(call, NoScriptError("the script cache keeps losing scripts"))
         except BaseException as exc:
@@ -230,10 +229,11 @@ class ScriptBatcher:
             if not isinstance(exc, Exception):
                 raise
 
-    async def _send_once(self, calls: list[_Call]) -> list[_Call]:
-        """Send ``calls``; settle their futures; return those refused with NOSCRIPT."""
-        groups, loads, started = self._start(calls)
-        return self._settle_groups(groups, (await self.pipe.replies(started))[loads:])
+    async def _finish(self, started: _Started) -> list[_Call]:
+        """Wait for a started batch's replies; settle its calls; return those refused with
+        NOSCRIPT."""
+        groups, loads, began = started
+        return self._settle_groups(groups, (await self.pipe.replies(began))[loads:])
 
     def _start(self, calls: list[_Call]) -> _Started:
         """Start sending ``calls``: their groups by script, how many SCRIPT LOADs lead the
