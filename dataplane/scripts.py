@@ -225,6 +225,10 @@ local seq = tonumber(m[6]) + 1
 local tkey = sep .. ':' .. stu
 local tseq = 1
 if tkey == m[8] then tseq = tonumber(m[7]) + 1 end
+-- Each counter as text once: a Lua number turned into text by Redis or by a
+-- concatenation costs a floating-point print each time; '%d' is an integer one.
+local tseq_text = tseq == 1 and '1' or string.format('%d', tseq)
+local seq_text = string.format('%d', seq)
 -- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in the
 -- caller's tail, stored as field x next to the rest (field e) rather than copied onto
 -- it: readers join the two (``Entry.event``).
@@ -235,7 +239,7 @@ for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
 -- The counters, the fence and the turn key where they moved, and the call's record,
 -- in one write.
-local changes = {'seq', seq, 'tseq', tseq}
+local changes = {'seq', seq_text, 'tseq', tseq_text}
 if ep ~= cep or tu ~= ctu or rs ~= crs then
   changes[5], changes[6], changes[7], changes[8], changes[9], changes[10] =
     'epoch', ep, 'turn', tu, 'resp', rs
@@ -246,8 +250,8 @@ if tkey ~= m[8] then
 end
 if PRODUCER ~= '' then  -- record(reply), built from the strings at hand
   changes[#changes + 1] = RECORD
-  changes[#changes + 1] = table.concat({ARGV[#ARGV], 'ok', seq, tseq, sinc, sep, stu, srs, id},
-    ' ')
+  changes[#changes + 1] = ARGV[#ARGV] .. ' ok ' .. seq_text .. ' ' .. tseq_text .. ' ' .. sinc
+    .. ' ' .. sep .. ' ' .. stu .. ' ' .. srs .. ' ' .. id
 end
 redis.call('HSET', KEYS[1], unpack(changes))
 return reply
@@ -416,6 +420,7 @@ end
 -- The client journal's seqs continue the session's oseq (its server_event_seq), read
 -- once and written back once: nothing else runs between.
 local sn = tonumber(m[6] or '0')
+local sn_text  -- sn as text (an integer print; Redis would print the number as a float)
 local written = 0
 for _, span in ipairs(groups) do
   written = written + span[2]
@@ -423,7 +428,8 @@ for _, span in ipairs(groups) do
     redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
     if to_client then
       sn = sn + 1
-      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', sn)
+      sn_text = string.format('%d', sn)
+      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', sn_text)
     end
   end
 end
@@ -431,7 +437,7 @@ local last_sn = 0
 if written > 0 then
   local last = #KEYS
   if to_client then
-    redis.call('HSET', KEYS[1], 'oseq', sn)
+    redis.call('HSET', KEYS[1], 'oseq', sn_text)
     last_sn = sn
     ring(KEYS[last], ARGV[9], 'd')
     last = last - 1
@@ -442,7 +448,7 @@ end
 local progress = {}
 local applied = tonumber(ARGV[3])
 if applied > tonumber(p[2] or '0') then
-  progress = {stage .. ':applied', applied, stage .. ':read', ARGV[4]}
+  progress = {stage .. ':applied', ARGV[3], stage .. ':read', ARGV[4]}
 end
 if tonumber(ARGV[7]) > 0 then
   progress[#progress + 1] = stage .. ':oseq'
