@@ -55,8 +55,10 @@ local function mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
   return false
 end
 
+-- A lease's value is "<worker> <token> <incarnation>": the token is always between two
+-- spaces.
 local function holds(lease_value, token)
-  return lease_value and string.find(' ' .. lease_value .. ' ', ' ' .. token .. ' ', 1, true)
+  return lease_value and string.find(lease_value, ' ' .. token .. ' ', 1, true)
 end
 
 -- Idempotent calls, as Kafka's idempotent producer: every caller of a mutating
@@ -150,7 +152,10 @@ end
 local function ring_holder(stage_bell, lease, sid, kind)
   local holder = redis.call('GET', lease)
   if holder then
-    ring(stage_bell .. ':' .. string.match(holder, '^(.*) %S+ %S+$'), sid, kind)
+    -- The worker is what comes before the last two words (a find, not a capture of .*,
+    -- which backtracks over the whole value: a third of the append's ring).
+    ring(stage_bell .. ':' .. string.sub(holder, 1, string.find(holder, ' %S+ %S+$') - 1), sid,
+      kind)
   end
 end
 

@@ -58,6 +58,29 @@ async def test_an_append_rings_the_holder_only(redis_url, key_prefix):
         await bus.aclose()
 
 
+async def test_a_worker_whose_id_has_spaces_is_rung_on_its_own_bell(redis_url, key_prefix):
+    # The script finds the worker in the lease's value as everything before its last two
+    # words (token and incarnation), so a worker id may hold spaces of its own.
+    bus = RedisBus(redis_url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, PIPELINE)
+        await authority.open("s1")
+        owner = StageOwnership(bus, PIPELINE, "echo", "host a 1", 5000)
+        _, lease = await owner.acquire("s1", 0)
+        assert lease is not None
+        await authority.append("s1", "append_text", TextPayload("hello"))
+        assert await rings(bus, worker_bell("echo", "host a 1")) == [("s1", "d")]
+        assert await rings(bus, worker_bell("echo", "host a")) == []
+        assert await rings(bus, worker_bell("echo", "host")) == []
+        out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+        published = await owner.publish(
+            lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1
+        )
+        assert published.status == "ok"  # the lease holds: its token is found in the value
+    finally:
+        await bus.aclose()
+
+
 async def test_a_publish_rings_the_next_stages_holder_and_the_coordinators(redis_url, key_prefix):
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
