@@ -28,6 +28,21 @@ BODY_MARK = "-- per call --"
 PRELUDE = (
     f"local BELL_LENGTH = {BELL_LENGTH}\n"
     + r"""
+-- msgpack of a non-negative integer and of a string of at most 255 bytes, as cmsgpack
+-- packs them; written out here because each cmsgpack.pack call allocates and copies
+-- buffers of its own (about 1,500 instructions a call, the append's largest piece).
+local function uint(n)
+  if n < 128 then return string.char(n) end
+  if n < 256 then return '\204' .. string.char(n) end
+  if n < 65536 then return '\205' .. string.char(math.floor(n / 256), n % 256) end
+  return cmsgpack.pack(n)
+end
+
+local function short_str(s)
+  if #s < 32 then return string.char(160 + #s) .. s end
+  return '\217' .. string.char(#s) .. s
+end
+
 local function pack_fence(sid, inc, ep, tu, rs)
   return cmsgpack.pack({sid, inc, ep, tu, rs})
 end
@@ -237,8 +252,8 @@ local seq_text = string.format('%d', seq)
 -- An InputEvent: a map of seven entries, the last three (mode, payload, ts_ms) in the
 -- caller's tail, stored as field x next to the rest (field e) rather than copied onto
 -- it: readers join the two (``Entry.event``).
-local event = '\135'
-  .. cmsgpack.pack('t', 'in', 'fence', {ARGV[1], inc, ep, tu, rs}, 'seq', seq, 'turn_seq', tseq)
+local event = '\135\161t\162in\165fence\149' .. short_str(ARGV[1]) .. uint(inc) .. uint(ep)
+  .. uint(tu) .. uint(rs) .. '\163seq' .. uint(seq) .. '\168turn_seq' .. uint(tseq)
 local id = redis.call('XADD', KEYS[2], '*', 'e', event, 'x', ARGV[3])
 for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}

@@ -7,6 +7,7 @@ import pytest
 
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
+from dataplane.scripts import BODY_MARK, PRELUDE
 from dataplane.sessions import fence_mismatch
 from schemas.config import echo_pipeline
 from schemas.errors import (
@@ -203,3 +204,42 @@ async def test_concurrent_calls_on_a_session_go_one_at_a_time_in_the_order_made(
     assert texts == [f"t{i}" for i in range(20) if i != 5]
     assert done[20].seq == 1
     assert authority._serial == {}
+
+
+async def test_the_scripts_pack_integers_as_msgpack_does(redis_client):
+    # The append writes its event's numbers with the prelude's own msgpack writer: each
+    # size class, at its edges, must be what msgpack (and so msgspec's decoder) reads.
+    numbers = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 4_294_967_295, 2**40]
+    script = PRELUDE.replace(BODY_MARK, "") + "local out = {}\n"
+    script += "for i = 1, #ARGV do out[i] = uint(tonumber(ARGV[i])) end\nreturn out\n"
+    packed = await redis_client.eval(script, 0, *numbers)
+    assert packed == [msgspec.msgpack.encode(n) for n in numbers]
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 100, 128])
+async def test_an_input_of_a_long_session_id_is_logged_under_its_fence(authority, bus, length):
+    # Session ids of up to 31 bytes are packed as a fixstr, longer ones as a str8; a
+    # multibyte character counts its bytes.
+    session_id = ("é" * length)[: length // 2] + "s" * (length - 2 * (length // 2))
+    assert len(session_id.encode()) == length
+    fence = await authority.open(session_id)
+    for turn in range(3):  # numbers past one byte are packed too
+        await authority.append(session_id, "append_text", TextPayload(f"t{turn}"))
+    entries = await bus.xrange(bus.keys.session(session_id).input)
+    events = [decode_input(e.event) for e in entries]
+    assert [e.fence for e in events] == [fence] * 3
+    assert [(e.seq, e.turn_seq) for e in events] == [(1, 1), (2, 2), (3, 3)]
+
+
+async def test_inputs_logged_past_each_integer_size_carry_their_seq(authority, bus):
+    await authority.open("s1")
+    meta = bus.keys.session("s1").meta
+    seqs = []
+    for before in (126, 254, 65_534, 4_294_967_294):
+        await bus.client.hset(meta, "seq", before)  # as if that many inputs came before
+        for _ in range(3):
+            seqs.append((await authority.append("s1", "append_text", TextPayload("x"))).seq)
+    entries = await bus.xrange(bus.keys.session("s1").input)
+    assert [decode_input(e.event).seq for e in entries] == seqs
+    assert seqs == [b + k for b in (126, 254, 65_534, 4_294_967_294) for k in (1, 2, 3)]
+    assert [decode_input(e.event).turn_seq for e in entries] == list(range(1, 13))
