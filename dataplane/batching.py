@@ -58,10 +58,17 @@ _MULTI_LOOP = """
 local all_keys, all_args = KEYS, ARGV
 local replies = {}
 START()
-local at_key, at_arg = 1, 2
-for c = 1, tonumber(all_args[1]) do
-  local nkeys, nargs = tonumber(all_args[at_arg]), tonumber(all_args[at_arg + 1])
-  at_arg = at_arg + 2
+local calls, at_key, at_arg = tonumber(all_args[1]), 1, 2
+local nkeys, nargs
+local uniform = calls < 0  -- every call has the same numbers of keys and args, given once
+if uniform then
+  calls, nkeys, nargs, at_arg = -calls, tonumber(all_args[2]), tonumber(all_args[3]), 4
+end
+for c = 1, calls do
+  if not uniform then
+    nkeys, nargs = tonumber(all_args[at_arg]), tonumber(all_args[at_arg + 1])
+    at_arg = at_arg + 2
+  end
   KEYS = {unpack(all_keys, at_key, at_key + nkeys - 1)}
   ARGV = {unpack(all_args, at_arg, at_arg + nargs - 1)}
   at_key = at_key + nkeys
@@ -82,7 +89,12 @@ return replies
 class Multi:
     """A script's multi form: ARGV is the number of calls, then for each call the
     number of its keys and of its args, then its args; KEYS are the calls' keys one
-    after the other. Replies: one per call, in order."""
+    after the other. Replies: one per call, in order.
+
+    When every call has as many keys and args as the first (a batch of appends, or of
+    publishes of one stage, mostly has), ARGV is minus the number of calls, the numbers
+    of keys and args once, then the calls' args: two arguments fewer per call, each one
+    made into a Lua string and a number in Redis and packed here."""
 
     __slots__ = ("script", "sent", "sha")
 
@@ -272,10 +284,17 @@ class ScriptBatcher:
             call = group[0]
             return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
         keys: list[Any] = []
-        args: list[Any] = [len(group)]
-        for call in group:
-            keys += call.keys
-            args += (len(call.keys), len(call.args), *call.args)
+        nkeys, nargs = len(group[0].keys), len(group[0].args)
+        if all(len(c.keys) == nkeys and len(c.args) == nargs for c in group):
+            args: list[Any] = [-len(group), nkeys, nargs]
+            for call in group:
+                keys += call.keys
+                args += call.args
+        else:
+            args = [len(group)]
+            for call in group:
+                keys += call.keys
+                args += (len(call.keys), len(call.args), *call.args)
         return ("EVALSHA", self._multi(group[0].script).sha, len(keys), *keys, *args)
 
     def _multi(self, script: Any) -> Multi:

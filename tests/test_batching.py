@@ -79,6 +79,27 @@ async def test_calls_of_one_script_go_as_one_multi_call_each_with_its_reply(reco
     assert recording.evalshas()[-1][1] == incr.sha
 
 
+SHAPE = "return {#KEYS, #ARGV, KEYS[#KEYS], ARGV[#ARGV]}"
+
+
+async def test_each_call_of_a_multi_sees_its_own_keys_and_args(recording, key_prefix):
+    batcher = ScriptBatcher(recording)
+    shape = await Script(SHAPE).load(recording.lane)
+    # Alike calls: their numbers of keys and args go once, ahead of the calls' args.
+    alike = [([f"{key_prefix}:{i}"], ["x", f"a{i}"]) for i in range(4)]
+    replies = await asyncio.gather(*(batcher.run(shape, k, a) for k, a in alike))
+    assert replies == [[1, 2, f"{key_prefix}:{i}".encode(), f"a{i}".encode()] for i in range(4)]
+    (sent,) = recording.evalshas()
+    assert sent[2:10] == (4, *(k[0] for k, _ in alike), -4, 1, 2)  # -4 calls: 1 key, 2 args
+    # Calls of other shapes in one batch: each call's numbers go with it.
+    a, b, c, d = (f"{key_prefix}:{name}" for name in "abcd")
+    mixed = [([a], ["1"]), ([b, c], ["1", "2", "3"]), ([d], ["1", "2"])]
+    replies = await asyncio.gather(*(batcher.run(shape, k, a) for k, a in mixed))
+    assert [r[:2] for r in replies] == [[1, 1], [2, 3], [1, 2]]
+    assert [r[2:] for r in replies] == [[k[-1].encode(), a[-1].encode()] for k, a in mixed]
+    assert recording.evalshas()[-1][2 + 4 + 1] == 3  # 4 keys, then the number of calls
+
+
 async def test_an_error_in_one_call_of_a_multi_is_that_calls_error_only(recording, key_prefix):
     batcher = ScriptBatcher(recording)
     checked = await Script(CHECKED).load(recording.lane)
