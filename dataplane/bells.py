@@ -14,8 +14,8 @@ ring) finds the sessions anyway, because a session is read once when it is
 taken or attached, and every session is swept (read without a ring) every
 ``sweep_ms``. Rings for sessions the reader does not follow are ignored.
 
-A ring entry names its sessions as fields (``rings_of``): the calls of one
-script batch ring each bell once, with one field per session rung.
+A ring entry names its sessions by kind (``rings_of``): the calls of one script
+batch ring each bell once, with the sessions rung listed in one field per kind.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
+
+import msgspec
 
 from dataplane.bus import RedisBus
 from dataplane.pacing import Pacer
@@ -38,13 +40,20 @@ OnRing = Callable[[str, str], None]
 """Called with (session id, kind) for each ring: ``d`` data, ``c`` control."""
 
 
+_session_ids = msgspec.msgpack.Decoder(list[str])
+
+
 def rings_of(fields: dict[bytes, bytes]) -> list[tuple[str, str]]:
-    """The (session id, kind) rings of one bell entry: a field ``:<session id>`` valued
-    with its kind per session (``dataplane.scripts``), or, as written before,
-    ``s=<session id>`` and ``k=<kind>``."""
+    """The (session id, kind) rings of one bell entry: fields ``d`` and ``c``, each a
+    msgpack array of the session ids rung with that kind (``dataplane.scripts``). Entries
+    written before name each session as a field ``:<session id>`` valued with its kind,
+    or as ``s=<session id>`` and ``k=<kind>``."""
+    rings = [(session_id, kind) for kind in ("d", "c")
+             for session_id in _session_ids.decode(fields.get(kind.encode(), b"\x90"))]  # fmt: skip
     if b"s" in fields:
-        return [(fields[b"s"].decode(), fields.get(b"k", b"d").decode())]
-    return [(f[1:].decode(), k.decode()) for f, k in fields.items() if f[:1] == b":"]
+        rings.append((fields[b"s"].decode(), fields.get(b"k", b"d").decode()))
+    rings += [(f[1:].decode(), k.decode()) for f, k in fields.items() if f[:1] == b":"]
+    return rings
 
 
 class BellReader:

@@ -127,13 +127,14 @@ end
 
 -- Tell a consumer that a session's streams for it changed (kind 'd': data,
 -- 'c': control). The bell is capped; readers sweep now and then for lost rings. A
--- ring entry names its sessions as fields, ':' and the session id, each valued with
--- its kind. In a multi (``multi_start``) the rings wait in RINGS and each bell gets one
--- entry for all of them once every call has run: still the same atomic step.
+-- ring entry names its sessions by kind: field 'd' and field 'c', each a msgpack array
+-- of session ids (one string to make in Lua, whatever the number of sessions). In a
+-- multi (``multi_start``) the rings wait in RINGS and each bell gets one entry for all
+-- of them once every call has run: still the same atomic step.
 local RINGS
 local function ring(bell, sid, kind)
   if not RINGS then
-    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', ':' .. sid, kind)
+    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', kind, '\145' .. short_str(sid))
     return
   end
   local queued = RINGS[bell]
@@ -151,10 +152,17 @@ end
 
 local function multi_finish()
   for _, bell in ipairs(RINGS) do
-    local fields = {}
+    local rung = {d = {}, c = {}}
     for sid, kind in pairs(RINGS[bell]) do
-      fields[#fields + 1] = ':' .. sid
-      fields[#fields + 1] = kind
+      local of_kind = rung[kind]
+      of_kind[#of_kind + 1] = sid
+    end
+    local fields = {}
+    for _, kind in ipairs({'d', 'c'}) do
+      if #rung[kind] > 0 then
+        fields[#fields + 1] = kind
+        fields[#fields + 1] = cmsgpack.pack(rung[kind])
+      end
     end
     redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', unpack(fields))
   end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from coordinator.control import ControlState, _forget_dead_workers
@@ -129,7 +130,41 @@ async def test_the_appends_of_one_batch_ring_each_bell_once(redis_server, key_pr
         await bus.aclose()
 
 
-def test_a_ring_entry_reads_in_both_forms():
+async def test_rings_of_one_call_and_of_a_batch_name_their_sessions_and_kinds(
+    redis_server, key_prefix
+):
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, PIPELINE)
+        long_id = "é" * 60 + "s"  # 121 bytes
+        sessions = ["s1", "a b", long_id]
+        for sid in sessions:
+            await authority.open(sid)
+            _, lease = await StageOwnership(bus, PIPELINE, "echo", "w1", 5000).acquire(sid, 0)
+            assert lease is not None
+        await authority.append(long_id, "append_text", TextPayload("alone"))  # one call
+        await asyncio.gather(*(authority.cancel(sid, reason="barge_in") for sid in sessions))
+        await asyncio.gather(
+            *(authority.append(sid, "append_text", TextPayload("x")) for sid in sessions)
+        )
+        entries = [e for b in bus.keys.bells(worker_bell("echo", "w1"))
+                   for e in await bus.xrange(b)]  # fmt: skip
+        assert [sorted(rings_of(e.fields)) for e in entries] == [
+            [(long_id, "d")],
+            sorted((sid, "c") for sid in sessions),
+            sorted((sid, "d") for sid in sessions),
+        ]
+    finally:
+        await bus.aclose()
+
+
+def test_a_ring_entry_reads_in_every_form():
+    packed = msgspec.msgpack.encode
+    assert rings_of({b"d": packed(["s1", "a b"]), b"c": packed(["s2"])}) == [
+        ("s1", "d"), ("a b", "d"), ("s2", "c")
+    ]  # fmt: skip
+    assert rings_of({b"c": packed(["s2"])}) == [("s2", "c")]
+    # As written before: a field per session, or one session and its kind.
     assert rings_of({b":a b": b"d", b":s": b"c"}) == [("a b", "d"), ("s", "c")]
     assert rings_of({b"s": b"s1", b"k": b"c"}) == [("s1", "c")]  # as written before
     assert rings_of({b"s": b"s1"}) == [("s1", "d")]
