@@ -7,7 +7,7 @@ import pytest
 
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
-from dataplane.scripts import BODY_MARK, PRELUDE
+from dataplane.scripts import BODY_MARK, META_LAYOUT, PRELUDE
 from dataplane.sessions import fence_mismatch
 from schemas.config import echo_pipeline
 from schemas.errors import (
@@ -243,3 +243,16 @@ async def test_inputs_logged_past_each_integer_size_carry_their_seq(authority, b
     assert [decode_input(e.event).seq for e in entries] == seqs
     assert seqs == [b + k for b in (126, 254, 65_534, 4_294_967_294) for k in (1, 2, 3)]
     assert [decode_input(e.event).turn_seq for e in entries] == list(range(1, 13))
+
+
+async def test_a_sessions_meta_hash_is_kept_as_a_hash_table(authority, bus, redis_client):
+    # An append reads ten of its fields and writes three: in Redis's flat-list layout each
+    # is a scan from the start.
+    meta = bus.keys.session("s1").meta
+    await authority.open("s1")
+    await authority.append("s1", "append_text", TextPayload("x"))
+    assert await redis_client.object("ENCODING", meta) == b"hashtable"
+    assert len(META_LAYOUT) > 64  # Redis's default hash-max-listpack-value
+    await authority.close("s1")
+    await authority.open("s1")  # a new life starts from a new hash, laid out the same way
+    assert await redis_client.object("ENCODING", meta) == b"hashtable"
