@@ -55,6 +55,10 @@ WINDOWS: dict[str, RebuildWindow] = {
     "tts": NO_HISTORY,
 }
 INPUTS = {"vad": "in", "asr": "vad", "thinker": "asr", "tts": "thinker"}
+TO_CLIENT = ("asr", "thinker", "tts")
+"""The default pipeline's client-facing stages: their outputs go to the client journal too;
+those of tts, which no stage reads, only there (``PipelineConfig.outputs_in_journal``)."""
+JOURNAL_ONLY = ("tts",)
 REPEATS = 3
 
 
@@ -66,7 +70,7 @@ def _out(stage: str, kind: OutputKind, seq: int, source: int, **fields: Any) -> 
 def session_streams(minutes: float) -> dict[str, list[bytes]]:
     """Every stream of the session, as encoded events, oldest first."""
     pcm24 = bytes(int(CHUNK_S * 24_000) * 2)
-    streams: dict[str, list[bytes]] = {name: [] for name in ("in", *INPUTS)}
+    streams: dict[str, list[bytes]] = {name: [] for name in ("in", *INPUTS, "journal")}
     chunks = int(minutes * 60 / CHUNK_S)
     for seq in range(1, chunks + 1):
         payload = AudioPayload(pcm24, "pcm_s16le", 24_000)
@@ -76,7 +80,11 @@ def session_streams(minutes: float) -> dict[str, list[bytes]]:
 
     def out(stage: str, kind: OutputKind, source: int, **fields: Any) -> None:
         seqs[stage] += 1
-        streams[stage].append(_out(stage, kind, seqs[stage], source, **fields))
+        raw = _out(stage, kind, seqs[stage], source, **fields)
+        if stage not in JOURNAL_ONLY:
+            streams[stage].append(raw)
+        if stage in TO_CLIENT:
+            streams["journal"].append(raw)
 
     segment = bytes(int(VAD_SEGMENT_S * 16_000) * 2)
     answer = bytes(int(CHUNK_S * 24_000) * 2)
@@ -102,9 +110,12 @@ def session_streams(minutes: float) -> dict[str, list[bytes]]:
 async def write(bus: RedisBus, streams: dict[str, list[bytes]]) -> dict[str, str]:
     """XADD every stream; returns each stream's last entry id."""
     sk = bus.keys.session(SID)
-    names = {"in": sk.input, **{stage: sk.stage_out(stage) for stage in INPUTS}}
+    names = {"in": sk.input, "journal": sk.client}
+    names.update({stage: sk.stage_out(stage) for stage in INPUTS})
     last: dict[str, str] = {}
     for name, events in streams.items():
+        if not events:
+            continue
         for start in range(0, len(events), 1000):
             async with bus.client.pipeline(transaction=False) as pipe:
                 for raw in events[start : start + 1000]:
@@ -145,6 +156,9 @@ async def measure(minutes: float) -> dict[str, Any]:
             stages: dict[str, Any] = {}
             for stage, source in INPUTS.items():
                 input_stream = sk.input if source == "in" else sk.stage_out(source)
+                journal = stage in JOURNAL_ONLY  # its outputs are read from the journal
+                output_stream = sk.client if journal else sk.stage_out(stage)
+                only = stage if journal else None
                 applied = len(streams[source])
                 row: dict[str, Any] = {}
                 for label, window in (("declared", WINDOWS[stage]), ("whole", ALL_HISTORY)):
@@ -152,8 +166,8 @@ async def measure(minutes: float) -> dict[str, Any]:
                     for _ in range(REPEATS):  # the best of a few: the machine is noisy
                         began = time.perf_counter()
                         takeover = await load_takeover(
-                            bus, input_stream, sk.stage_out(stage), read_id=last[source],
-                            applied_seq=applied, window=window,
+                            bus, input_stream, output_stream, read_id=last[source],
+                            applied_seq=applied, window=window, stage=only,
                         )  # fmt: skip
                         times.append(time.perf_counter() - began)
                     row[label] = {
@@ -165,8 +179,8 @@ async def measure(minutes: float) -> dict[str, Any]:
                     row["whole"]["seconds"] / max(row["declared"]["seconds"], 1e-6), 1
                 )
                 declared = await load_takeover(
-                    bus, input_stream, sk.stage_out(stage), read_id=last[source],
-                    applied_seq=applied, window=WINDOWS[stage],
+                    bus, input_stream, output_stream, read_id=last[source],
+                    applied_seq=applied, window=WINDOWS[stage], stage=only,
                 )  # fmt: skip
                 row["rebuild_seconds"] = round(await rebuild_seconds(stage, declared), 4)
                 stages[stage] = row

@@ -414,11 +414,12 @@ return 0
 # KEYS: meta lease prog stage_out client_out (bell lease)* [client_bell]  (each stage
 #       reading this stage: its bell and its lease; the client bell last for a
 #       client-facing stage)
-# ARGV: stage token applied read_id to_client first_oseq last_oseq ngroups sid,
-#       then per group: inc ep tu rs n, the n events for the stage's own stream,
-#       and (to_client only) the n events for the client journal
-# A client-facing stage that no stage reads passes its own stream's copies
-# without their audio: only the client journal needs the sound.
+# ARGV: stage token applied read_id where first_oseq last_oseq ngroups sid,
+#       then per group: inc ep tu rs n and the group's n events once or twice: where
+#       is '0' (the stage's own stream only), '1' (a client-facing stage that stages
+#       read: its own stream, then the n events again for the client journal) or '2'
+#       (a client-facing stage no stage reads: the client journal only; its outputs
+#       are kept there once, ``PipelineConfig.outputs_in_journal``)
 # Every group of outputs (one fence each) and the progress cursor are written in
 # this one step, or nothing is. A group whose fence regressed is refused as
 # {'stale', index, reason, current fence}; one ahead of the authority (which only
@@ -438,7 +439,7 @@ local first_oseq = tonumber(ARGV[6])
 if first_oseq > 0 and first_oseq <= tonumber(p[1] or '0') then
   return {'ok', 0}
 end
-local to_client = ARGV[5] == '1'
+local to_client, to_own = ARGV[5] ~= '0', ARGV[5] ~= '2'
 local groups = {}
 local at = 10
 for g = 1, tonumber(ARGV[8]) do
@@ -454,7 +455,7 @@ for g = 1, tonumber(ARGV[8]) do
   end
   groups[g] = {at + 5, n}
   at = at + 5 + n
-  if to_client then at = at + n end
+  if to_client and to_own then at = at + n end
 end
 -- The client journal's seqs continue the session's oseq (its server_event_seq), read
 -- once and written back once: nothing else runs between.
@@ -463,12 +464,13 @@ local sn_text  -- sn as text (an integer print; Redis would print the number as 
 local written = 0
 for _, span in ipairs(groups) do
   written = written + span[2]
+  local journal_copy = to_own and span[2] or 0  -- where the journal's copies start
   for i = span[1], span[1] + span[2] - 1 do
-    redis.call('XADD', KEYS[4], '*', 'e', ARGV[i])
+    if to_own then redis.call('XADD', KEYS[4], '*', 'e', ARGV[i]) end
     if to_client then
       sn = sn + 1
       sn_text = string.format('%d', sn)
-      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + span[2]], 'n', sn_text)
+      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + journal_copy], 'n', sn_text)
     end
   end
 end

@@ -309,6 +309,12 @@ class PipelineConfig(_Model):
         """Stages that read ``name``'s outputs."""
         return tuple(stage.name for stage in self.stages if stage.input == name)
 
+    def outputs_in_journal(self, name: str) -> bool:
+        """True for a client-facing stage that no stage reads: its outputs are kept once,
+        in the session's client journal, and its own stream holds only fence barriers
+        (a takeover reads the stage's outputs back from the journal)."""
+        return self.stage(name).to_client and not self.downstream(name)
+
 
 class ConfigError(ValueError):
     """A configuration mistake, said in one line that names the file and the field."""

@@ -135,9 +135,12 @@ async def test_a_repeated_publish_writes_nothing_twice(redis_server, key_prefix)
         assert [o.text for o in await published(actor)] == ["once"]
 
 
-async def test_a_terminal_stages_audio_is_stored_once(redis_server, key_prefix):
-    """Cause: a client-facing stage that no stage reads kept every audio chunk twice,
-    in its own stream and in the client journal."""
+async def test_a_terminal_stages_outputs_are_stored_once_in_the_client_journal(
+    redis_server, key_prefix
+):
+    """Cause: a client-facing stage that no stage reads kept every output twice, in its
+    own stream (for takeovers only) and in the client journal; its takeover now reads
+    the journal (``tests/test_takeover.py``)."""
     from dataplane.bus import RedisBus
     from schemas.config import echo_pipeline
     from schemas.events import OutputEvent
@@ -146,27 +149,34 @@ async def test_a_terminal_stages_audio_is_stored_once(redis_server, key_prefix):
 
     bus = RedisBus(redis_server.url, Keys(key_prefix))
     try:
-        for pipeline, stage, own_keeps_audio in (
-            (echo_pipeline("tts"), "tts", False),  # client-facing, read by no stage
-            (echo_pipeline("vad", "asr"), "vad", True),  # the asr stage reads its audio
+        chain = echo_pipeline("thinker", "tts")
+        thinker, tts = chain.stages
+        both = chain.model_copy(  # a client-facing stage that another stage reads
+            update={"stages": (thinker.model_copy(update={"to_client": True}), tts)}
+        )
+        for pipeline, stage, in_own, in_journal in (
+            (echo_pipeline("tts"), "tts", False, True),  # client-facing, read by no stage
+            (echo_pipeline("vad", "asr"), "vad", True, False),  # not client-facing
+            (both, "thinker", True, True),
         ):
             sid = f"s-{stage}"
             await SessionAuthority(bus, pipeline).open(sid)
             ownership = StageOwnership(bus, pipeline, stage, "w1", 5000)
+            assert ownership.journal_only is (in_journal and not in_own)
             _, lease = await ownership.acquire(sid, 0)
-            sound = OutputEvent(
-                lease.fence, stage, OutputKind.AUDIO_DELTA, 1, 1, data=b"\x01" * 960
-            )
+            sound = [
+                OutputEvent(lease.fence, stage, OutputKind.AUDIO_DELTA, n, 1, data=bytes([n]) * 960)
+                for n in (1, 2)
+            ]  # fmt: skip
             result = await ownership.publish(
-                lease, [(lease.fence, [sound])], applied_seq=1, read_id="1-0", out_seq=1
+                lease, [(lease.fence, sound)], applied_seq=1, read_id="1-0", out_seq=2
             )
             assert result.status is PublishStatus.OK
             sk = bus.keys.session(sid)
-            (own,) = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.stage_out(stage))]
-            assert own.data == (sound.data if own_keeps_audio else b"")
-            assert own.seq == 1 and own.source_seq == 1
+            own = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.stage_out(stage))]
+            assert own == (sound if in_own else [])
             journal = [decode_output(e.fields[b"e"]) for e in await bus.xrange(sk.client)]
-            assert [o.data for o in journal] == ([] if own_keeps_audio else [sound.data])
+            assert journal == (sound if in_journal else [])
     finally:
         await bus.aclose()
 

@@ -188,3 +188,61 @@ async def test_an_undecodable_control_entry_is_logged_counted_and_skipped(settin
         assert any("skipping control entry" in r.getMessage() for r in caplog.records)
     finally:
         await coordinator.aclose()
+
+
+async def test_a_stage_whose_outputs_live_in_the_journal_rebuilds_from_its_own_there(
+    redis_server, key_prefix
+):
+    """A client-facing stage that no stage reads keeps its outputs in the client journal
+    only, beside other stages' outputs and the coordinator's notices: its takeover reads
+    its own outputs back from there, and what it published for inputs not yet applied."""
+    from dataplane.authority import SessionAuthority
+    from dataplane.bus import RedisBus
+    from schemas.events import OutputEvent, OutputKind
+    from schemas.keys import Keys
+    from workers.backends.base import ALL_HISTORY
+    from workers.ownership import StageOwnership
+    from workers.rebuild import load_takeover
+
+    chain = echo_pipeline("thinker", "talker")
+    thinker, talker = chain.stages
+    pipeline = chain.model_copy(
+        update={"stages": (thinker.model_copy(update={"to_client": True}), talker)}
+    )
+    assert pipeline.outputs_in_journal("talker") and not pipeline.outputs_in_journal("thinker")
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, pipeline)
+        await authority.open("s1")
+        owners = {
+            name: StageOwnership(bus, pipeline, name, "w1", 5000) for name in ("thinker", "talker")
+        }
+        leases = {name: (await o.acquire("s1", 0))[1] for name, o in owners.items()}
+
+        async def publish(stage: str, seq: int, source: int, applied: int) -> None:
+            lease = leases[stage]
+            assert lease is not None
+            out = OutputEvent(
+                lease.fence, stage, OutputKind.TEXT_DELTA, seq, source, text=f"{stage}{seq}"
+            )
+            result = await owners[stage].publish(
+                lease, [(lease.fence, [out])], applied_seq=applied, read_id="0-1", out_seq=seq
+            )
+            assert result.status == "ok"
+
+        await publish("thinker", 1, 1, 1)
+        await publish("talker", 1, 1, 1)
+        await authority.journal("s1", {"type": "note"})
+        await publish("thinker", 2, 2, 2)
+        await publish("talker", 2, 2, 1)  # streamed for input 2, not yet applied
+        await publish("talker", 3, 2, 1)
+        sk = bus.keys.session("s1")
+        assert await bus.xlen(sk.stage_out("talker")) == 0  # stored once, in the journal
+        takeover = await load_takeover(
+            bus, sk.stage_out("thinker"), sk.client, read_id="0-0", applied_seq=1,
+            window=ALL_HISTORY, stage="talker",
+        )  # fmt: skip
+        assert [o.text for o in takeover.outputs] == ["talker1", "talker2", "talker3"]
+        assert takeover.published == {2: 2}
+    finally:
+        await bus.aclose()

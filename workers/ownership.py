@@ -15,12 +15,10 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-import msgspec
-
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
-from schemas.events import OutputEvent, OutputKind, encode_event
+from schemas.events import OutputEvent, encode_event
 from schemas.fence import Fence
 from schemas.keys import CLIENT
 
@@ -70,12 +68,6 @@ OutputGroup = tuple[Fence, Sequence[OutputEvent]]
 """Outputs published under one fence."""
 
 
-def _without_audio(event: OutputEvent, encoded: bytes) -> bytes:
-    if event.kind is OutputKind.AUDIO_DELTA and event.data:
-        return encode_event(msgspec.structs.replace(event, data=b""))
-    return encoded
-
-
 class StageOwnership:
     """Acquire, renew, release and publish for one stage's worker."""
 
@@ -87,9 +79,11 @@ class StageOwnership:
         self.worker_id = worker_id
         self.ttl_ms = ttl_ms
         self.to_client = pipeline.stage(stage).to_client
-        self.audio_in_own_stream = not self.to_client or bool(pipeline.downstream(stage))
-        """False for a client-facing stage no stage reads: its audio is kept once, in
-        the client journal (its own stream serves rebuilds, which never need it)."""
+        self.journal_only = pipeline.outputs_in_journal(stage)
+        """A client-facing stage no stage reads publishes its outputs once, into the
+        client journal: nothing reads its own stream but a takeover, which reads the
+        journal instead (``workers.rebuild``)."""
+        self._where = "2" if self.journal_only else "1" if self.to_client else "0"
         self._authority = SessionAuthority(bus, pipeline)
         self._stage_index = pipeline.stage_names.index(stage)
         self._consumers = list(pipeline.downstream(stage))
@@ -192,7 +186,7 @@ class StageOwnership:
             lease.token,
             applied_seq,
             read_id,
-            "1" if self.to_client else "0",
+            self._where,
             seqs[0] if seqs else 0,
             out_seq,
             len(groups),
@@ -201,15 +195,10 @@ class StageOwnership:
         for fence, events in groups:
             args += [fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
             args.append(len(events))
-            full = [encode_event(event) for event in events]
-            if self.audio_in_own_stream:
-                args += full
-            else:
-                args += [
-                    _without_audio(event, raw) for event, raw in zip(events, full, strict=True)
-                ]
-            if self.to_client:
-                args += full
+            encoded = [encode_event(event) for event in events]
+            args += encoded
+            if self.to_client and not self.journal_only:
+                args += encoded  # once for the stage's own stream, once for the journal
         reply = await self.bus.run(self.bus.publish_script, keys, args)
         status = PublishStatus(reply[0])
         if status is PublishStatus.OK:

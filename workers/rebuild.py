@@ -8,7 +8,7 @@ entries, or all); both are read newest first, one page per round trip, so a
 takeover of a long session costs what the backend needs, not the session's
 length (``bench/takeover.py`` measures a 30-minute voice session).
 
-The tail of the stage's own stream also says what must not be published twice:
+The tail of the stage's outputs also says what must not be published twice:
 outputs for inputs not yet applied were published by the previous owner as it
 streamed them (flush drafts publish without progress) before it died. The new
 owner handles those inputs again, and the runtime drops as many of the
@@ -17,6 +17,10 @@ each reaches the client once (``tests/test_takeover.py``). A model backend that
 continues the cut answer itself (``RebuildWindow.resumes_answers``: vLLM,
 MiniCPM-o) rebuilds it from the published part and produces only the rest, so
 nothing is dropped for it.
+
+A client-facing stage that no stage reads keeps its outputs once, in the
+session's client journal (``PipelineConfig.outputs_in_journal``): its takeover
+reads them there, those of the stage among the journal's entries.
 """
 
 from __future__ import annotations
@@ -66,11 +70,13 @@ def _decode_input(entry: Entry) -> StageEvent | None:
     return None
 
 
-def _decode_output(entry: Entry) -> OutputEvent | None:
+def _decode_output(entry: Entry, stage: str | None) -> OutputEvent | None:
     if b"e" not in entry.fields:
         return None
     with contextlib.suppress(WireDecodeError):
         output = decode_output(entry.fields[b"e"])
+        if stage is not None and output.stage != stage:
+            return None
         return None if carries_settings(output) else output
     return None
 
@@ -78,13 +84,19 @@ def _decode_output(entry: Entry) -> OutputEvent | None:
 async def load_takeover(
     bus: RedisBus,
     input_stream: str,
-    own_stream: str,
+    output_stream: str,
     *,
     read_id: str,
     applied_seq: int,
     window: RebuildWindow,
+    stage: str | None = None,
 ) -> Takeover:
-    """The history a new owner rebuilds from, and what it must not publish again."""
+    """The history a new owner rebuilds from, and what it must not publish again.
+
+    ``output_stream`` is the stage's own stream, or, with ``stage``, the session's client
+    journal, where a client-facing stage that no stage reads keeps its outputs
+    (``PipelineConfig.outputs_in_journal``): its outputs are then those of ``stage``
+    among the journal's entries."""
     inputs: list[StageEvent] = []
     if read_id != "0-0" and window.inputs != 0:
         async for entry in _backwards(bus, input_stream, read_id):
@@ -96,8 +108,8 @@ async def load_takeover(
     outputs: list[OutputEvent] = []
     published: Counter[int] = Counter()
     in_tail = True
-    async for entry in _backwards(bus, own_stream, "+"):
-        output = _decode_output(entry)
+    async for entry in _backwards(bus, output_stream, "+"):
+        output = _decode_output(entry, stage)
         if output is None:
             continue
         in_tail = in_tail and output.source_seq > applied_seq

@@ -288,10 +288,10 @@ class Worker:
         self._taking[session_id] = lease
         try:
             takeover = await load_takeover(
-                self.bus, self._input_stream(session_id),
-                self.keys.session(session_id).stage_out(self.stage),
+                self.bus, self._input_stream(session_id), self._output_stream(session_id),
                 read_id=lease.read_id, applied_seq=lease.applied_seq,
                 window=self.backend.rebuild,
+                stage=self.stage if self.ownership.journal_only else None,
             )  # fmt: skip
             await self.backend.start(ctx, takeover.inputs, takeover.outputs)
         except Exception:
@@ -323,6 +323,11 @@ class Worker:
         OWNED_SESSIONS.labels(stage=self.stage).set(len(self.actors))
         self._data.mark(session_id)
         self._control.mark(session_id)
+
+    def _output_stream(self, session_id: str) -> str:
+        """Where this stage's outputs are kept: its own stream, or the client journal."""
+        sk = self.keys.session(session_id)
+        return sk.client if self.ownership.journal_only else sk.stage_out(self.stage)
 
     def _input_stream(self, session_id: str) -> str:
         sk = self.keys.session(session_id)
