@@ -37,7 +37,7 @@ from schemas.errors import (
 )
 from schemas.events import PAYLOAD_FOR_MODE, InputMode, OutputKind, Payload
 from schemas.fence import Fence, require_fence
-from schemas.keys import CLIENT
+from schemas.keys import CLIENT, PerSession
 
 _tail_encoder = msgspec.msgpack.Encoder()
 
@@ -101,6 +101,7 @@ class SessionAuthority:
         self.producer = secrets.token_hex(8)
         """This authority's producer id in the scripts' retry detection."""
         self._numbers = itertools.count(1)
+        self._append_keys = PerSession(self._make_append_keys)
         self._serial: dict[str, _Serial] = {}
         """The sessions with a call in flight or waiting, each with its lock: an entry is
         removed when its last user leaves, so the map holds only busy sessions."""
@@ -123,10 +124,13 @@ class SessionAuthority:
             if not serial.users:
                 del self._serial[session_id]
 
-    def _reader_keys(self, sk: Any) -> list[str]:
-        """(bell, lease) of each stage reading the session's input: an append rings the
-        bell of the worker holding the lease."""
-        return [key for name in self._input_readers for key in (sk.bell(name), sk.lease(name))]
+    def _make_append_keys(self, session_id: str) -> list[str]:
+        """KEYS of the append script: meta, the input log, then (bell, lease) of each stage
+        reading the session's input (an append rings the bell of the worker holding the
+        lease)."""
+        sk = self.bus.keys.session(session_id)
+        readers = [k for name in self._input_readers for k in (sk.bell(name), sk.lease(name))]
+        return [sk.meta, sk.input, *readers]
 
     def script_keys(self, session_id: str) -> list[str]:
         """KEYS for the lifecycle scripts: meta in ctl out prog client_bell, then
@@ -200,12 +204,11 @@ class SessionAuthority:
             if fence.session_id != session_id:
                 raise FenceMismatchError("session", f"{fence} is not session {session_id!r}")
             given = ["1", fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
-        sk = self.bus.keys.session(session_id)
         tail = encode_tail(checked, payload, now_ms() if ts_ms is None else ts_ms)
         reply = await self._call(
             self.bus.append_script,
             session_id,
-            [sk.meta, sk.input, *self._reader_keys(sk)],
+            self._append_keys(session_id),
             [session_id, checked.value, tail, *given],
         )
         if reply[0] != "ok":

@@ -50,8 +50,10 @@ dq:metrics                  hash    counters shared by all processes
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Generic, TypeVar
 
 DEFAULT_PREFIX = "dq"
 PARTITIONS = 16
@@ -191,3 +193,27 @@ class Keys:
     def session_pattern(self) -> str:
         """SCAN pattern matching every per-session key."""
         return f"{self.prefix}:{{p*}}:*"
+
+
+_T = TypeVar("_T")
+
+
+class PerSession(Generic[_T]):
+    """What ``make`` gives for a session, made once and kept: the key lists of a script
+    called for every event of a session are the same each time. At most ``most``
+    sessions are kept; then the map starts again."""
+
+    __slots__ = ("_kept", "_make", "_most")
+
+    def __init__(self, make: Callable[[str], _T], most: int = 65_536) -> None:
+        self._make = make
+        self._most = most
+        self._kept: dict[str, _T] = {}
+
+    def __call__(self, session_id: str) -> _T:
+        value = self._kept.get(session_id)
+        if value is None:
+            if len(self._kept) >= self._most:
+                self._kept.clear()
+            value = self._kept[session_id] = self._make(session_id)
+        return value

@@ -9,7 +9,7 @@ from schemas.config import (
     echo_pipeline,
     load_pipeline,
 )
-from schemas.keys import Keys, partition_of
+from schemas.keys import Keys, PerSession, partition_of
 
 
 def _stages(*specs):
@@ -118,3 +118,20 @@ def test_settings_round_trip_through_the_environment(monkeypatch):
     for name, text in settings.to_env().items():
         monkeypatch.setenv(name, text)
     assert Settings() == settings
+
+
+def test_per_session_values_are_made_once_and_kept_within_a_bound():
+    made: list[str] = []
+
+    def make(session_id: str) -> list[str]:
+        made.append(session_id)
+        return [f"{session_id}:meta"]
+
+    keys = PerSession(make, most=2)
+    assert keys("a") == ["a:meta"] and keys("a") is keys("a")
+    keys("b")
+    assert made == ["a", "b"]
+    keys("c")  # a third session: the map starts again
+    keys("a")
+    assert made == ["a", "b", "c", "a"]
+    assert keys("c") == ["c:meta"] and made[-1] == "a"  # c was kept with a

@@ -15,7 +15,7 @@ import pytest
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dataplane.bus import RedisBus
+from dataplane.bus import Entry, RedisBus, parse_raw_read_reply
 from dataplane.lane import Lane
 from schemas.keys import Keys
 from tests.redis_server import RedisServer, free_port
@@ -270,3 +270,20 @@ async def test_an_argument_redis_cannot_take_is_refused_before_anything_is_sent(
         assert await lane.execute("PING") == b"PONG"
     finally:
         await lane.aclose()
+
+
+def test_a_raw_read_reply_is_flattened_into_entries():
+    reply = [
+        [b"a", [[b"1-0", [b"e", b"\x01", b"n", b"7"]], [b"2-0", None]]],  # 2-0: trimmed
+        [b"b", [[b"3-1", [b"c", b""]]]],
+    ]
+    entries = parse_raw_read_reply(reply)
+    assert entries == [
+        Entry("a", "1-0", {b"e": b"\x01", b"n": b"7"}),
+        Entry("a", "2-0", {}),
+        Entry("b", "3-1", {b"c": b""}),
+    ]
+    assert all(type(e) is Entry for e in entries) and entries[0].event == b"\x01"
+    assert parse_raw_read_reply(None) == []
+    with pytest.raises(ValueError, match="odd number"):
+        parse_raw_read_reply([[b"a", [[b"1-0", [b"e", b"\x01", b"n"]]]]])

@@ -20,7 +20,7 @@ from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
 from schemas.events import OutputEvent, encode_event
 from schemas.fence import Fence
-from schemas.keys import CLIENT
+from schemas.keys import CLIENT, PerSession
 
 
 class Lease(NamedTuple):
@@ -89,6 +89,7 @@ class StageOwnership:
         self._consumers = list(pipeline.downstream(stage))
         """The stages that read what this stage publishes: a publish rings the bells of
         their lease holders (and the coordinators' for a client-facing stage)."""
+        self._publish_keys = PerSession(self._make_publish_keys)
         self.feeds_stages = bool(self._consumers)
         """Other stages read what this stage publishes (settings are passed on to them)."""
 
@@ -160,6 +161,16 @@ class StageOwnership:
                 self.bus.keys.assign(self.stage), {"sid": lease.session_id, "why": "handback"}
             )
 
+    def _make_publish_keys(self, session_id: str) -> list[str]:
+        """KEYS of the publish script (see ``dataplane.scripts``)."""
+        sk = self.bus.keys.session(session_id)
+        keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
+        for consumer in self._consumers:
+            keys += [sk.bell(consumer), sk.lease(consumer)]
+        if self.to_client:
+            keys.append(sk.bell(CLIENT))
+        return keys
+
     async def publish(
         self,
         lease: Lease,
@@ -174,12 +185,7 @@ class StageOwnership:
 
         ``out_seq`` is the stage's output counter once these outputs are out; a call
         repeated after its reply was lost is recognised by its outputs' seqs."""
-        sk = self.bus.keys.session(lease.session_id)
-        keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
-        for consumer in self._consumers:
-            keys += [sk.bell(consumer), sk.lease(consumer)]
-        if self.to_client:
-            keys.append(sk.bell(CLIENT))
+        keys = self._publish_keys(lease.session_id)
         seqs = [event.seq for _, events in groups for event in events]
         args: list[object] = [
             self.stage,
