@@ -82,6 +82,42 @@ async def test_backlog_written_before_any_worker_is_processed_in_order(settings)
         await coordinator.aclose()
 
 
+class SlowTakeover(EchoBackend):
+    """Rebuilds each session slowly: a take outlasts the worker's quiet rounds."""
+
+    async def start(self, ctx, inputs, outputs):
+        await asyncio.sleep(0.5)
+        await super().start(ctx, inputs, outputs)
+
+
+async def test_a_burst_worker_does_not_stop_while_a_session_it_took_is_unread(settings):
+    """Cause (1 run in 8 on a cluster): a burst worker judged itself idle with no session
+    yet, asked Redis whether assignments were left, and stopped; its take had ended while
+    it asked, so the session it had just taken was never read. Here Redis's answer
+    comes only once the take is done."""
+    pipeline = echo_pipeline("echo")
+    coordinator = Coordinator(settings, pipeline)
+    try:
+        await coordinator.open("s1")
+        for i in range(5):
+            await coordinator.append("s1", "append_text", TextPayload(str(i)))
+        worker = Worker(settings, pipeline, "echo", burst=True, backend=SlowTakeover({}))
+        asked = worker.bus.client.xpending
+
+        async def after_the_take(*args, **kwargs):
+            while "s1" not in worker.actors:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the take has acked its assignment
+            return await asked(*args, **kwargs)
+
+        worker.bus.client.xpending = after_the_take
+        await asyncio.wait_for(worker.run(), 30)
+        got = outputs_of(await collect(coordinator, 5, timeout=5))
+        assert [o.text for o in got] == [str(i) for i in range(5)]
+    finally:
+        await coordinator.aclose()
+
+
 async def test_cancel_drops_old_epoch_outputs_and_stops_the_worker(settings):
     pipeline = echo_pipeline("echo").model_copy(deep=True)
     stage = pipeline.stages[0].model_copy(update={"options": {"chunks": 50, "step_ms": 20}})

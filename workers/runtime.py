@@ -528,23 +528,49 @@ class Worker:
     def _note_activity(self, active: bool) -> None:
         self._quiet_rounds = 0 if active else self._quiet_rounds + 1
 
+    def _burst_idle(self) -> bool:
+        """Nothing is left in this worker: rounds have found nothing to read, no session is
+        being taken or has data marked to read, and every actor is done."""
+        return (
+            self._quiet_rounds >= 3
+            and not self._taking
+            and not self._data.pending
+            and all(a.idle.is_set() and a.queue.empty() for a in self.actors.values())
+        )
+
     async def _maybe_finish_burst(self) -> None:
-        """In burst mode, stop once no assignment, data or work is left."""
-        if self._quiet_rounds < 3 or any(not a.idle.is_set() for a in self.actors.values()):
+        """In burst mode, stop once no assignment, data or work is left.
+
+        The worker is judged again after asking Redis: an assignment read meanwhile makes
+        a take, and a take finishes by marking its session to read. Redis is asked about
+        undelivered assignments before pending ones, so an assignment delivered between
+        the two questions is seen as pending (the take acks it only once it is done)."""
+        if not self._burst_idle():
             return
-        pending = await self.bus.client.xpending(self.keys.assign(self.stage), ASSIGN_GROUP)
         unread = await self._unread_assignments()
-        if pending["pending"] == 0 and not unread:
+        pending = await self.bus.client.xpending(self.keys.assign(self.stage), ASSIGN_GROUP)
+        if pending["pending"] == 0 and not unread and self._burst_idle():
             log.info("worker %s: burst done", self.worker_id)
             self.request_stop()
 
     async def _unread_assignments(self) -> bool:
-        groups = await self.bus.client.xinfo_groups(self.keys.assign(self.stage))
+        """Whether the stage's assignment stream has entries not delivered to the group
+        yet. Where Redis cannot tell the group's lag (it may not after deletions), the
+        last entry delivered is compared with the stream's last entry."""
+        stream = self.keys.assign(self.stage)
+        groups = await self.bus.client.xinfo_groups(stream)
         for group in groups:
             if group["name"] in (ASSIGN_GROUP, ASSIGN_GROUP.encode()):
                 lag = group.get("lag")
-                return bool(lag) if lag is not None else False
+                if lag is not None:
+                    return bool(lag)
+                info = await self.bus.client.xinfo_stream(stream)
+                return _text(group["last-delivered-id"]) != _text(info["last-generated-id"])
         return False
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _starting_settings(lease: Lease) -> SettingsPayload:
