@@ -125,12 +125,11 @@ class SessionAuthority:
                 del self._serial[session_id]
 
     def _make_append_keys(self, session_id: str) -> list[str]:
-        """KEYS of the append script: meta, the input log, then (bell, lease) of each stage
+        """KEYS of the append script: meta, the input log, then the bell of each stage
         reading the session's input (an append rings the bell of the worker holding the
-        lease)."""
+        stage's lease, which acquire records in meta under that key)."""
         sk = self.bus.keys.session(session_id)
-        readers = [k for name in self._input_readers for k in (sk.bell(name), sk.lease(name))]
-        return [sk.meta, sk.input, *readers]
+        return [sk.meta, sk.input, *(sk.bell(name) for name in self._input_readers)]
 
     def script_keys(self, session_id: str) -> list[str]:
         """KEYS for the lifecycle scripts: meta in ctl out prog client_bell, then

@@ -177,17 +177,15 @@ local function multi_finish()
   RINGS = nil
 end
 
--- Ring a stage: the bell of the worker holding the session's lease on it (the
--- stage's bell name, a colon and the worker id), so that no other worker of the
--- stage wakes. No holder: nobody to tell; whoever takes the session reads it then.
-local function ring_holder(stage_bell, lease, sid, kind)
-  local holder = redis.call('GET', lease)
-  if holder then
-    -- The worker is what comes before the last two words (a find, not a capture of .*,
-    -- which backtracks over the whole value: a third of the append's ring).
-    ring(stage_bell .. ':' .. string.sub(holder, 1, string.find(holder, ' %S+ %S+$') - 1), sid,
-      kind)
-  end
+-- Ring a stage: the bell of the worker holding the session's lease on it, so that no
+-- other worker of the stage wakes. Acquire records that bell in the session's meta hash,
+-- under the stage's bell key for the session (``holder_bell``): a script that rings the
+-- stage reads it with the fields it reads anyway, not with a GET of the lease. No holder
+-- yet, or the lease was released: nobody to tell; whoever takes the session reads it
+-- then. A holder whose lease expired (killed) is still rung until another acquires: a
+-- ring is a hint, and a dead worker's bell is deleted by the control plane.
+local function holder_bell(stage_bell, worker)
+  return stage_bell .. ':' .. worker
 end
 
 -- Lifecycle scripts' KEYS: meta in ctl out prog client_bell (stage_out lease bell)*.
@@ -197,9 +195,12 @@ end
 local function barrier(control, sid)
   redis.call('XADD', KEYS[4], '*', 'c', control)
   ring(KEYS[6], sid, 'c')
-  for i = 7, #KEYS, 3 do
-    redis.call('XADD', KEYS[i], '*', 'c', control)
-    ring_holder(KEYS[i + 2], KEYS[i + 1], sid, 'c')
+  local stage_bells = {}
+  for i = 9, #KEYS, 3 do stage_bells[#stage_bells + 1] = KEYS[i] end
+  local held = redis.call('HMGET', KEYS[1], unpack(stage_bells))
+  for n = 1, #stage_bells do
+    redis.call('XADD', KEYS[4 + 3 * n], '*', 'c', control)
+    if held[n] then ring(held[n], sid, 'c') end
   end
 end
 """
@@ -236,14 +237,14 @@ redis.call('XADD', KEYS[3], '*', 'c', pack_control('open', fence, nil, '', tonum
 return remember(KEYS[1], {'ok', inc})
 """
 
-# KEYS: meta in (bell lease)*   (each stage reading the session's input: its bell, its lease)
+# KEYS: meta in bell*   (the bell of each stage reading the session's input)
 # ARGV: sid mode tail given(0|1) [inc ep tu rs, when given] producer pseq
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries. The fence's
 # numbers are kept as the strings read (or given) where they only go back out: turning
 # a Lua number into text costs a formatted print each.
 APPEND = r"""
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
-  'tkey', 'caps', RECORD)
+  'tkey', 'caps', RECORD, unpack(KEYS, 3))  -- m[11]...: the readers' holders' bells
 local again = repeat_of(m[10])
 if again then return again end
 if not m[1] then return {'missing'} end
@@ -274,7 +275,9 @@ local seq_text = string.format('%d', seq)
 local event = '\135\161t\162in\165fence\149' .. short_str(ARGV[1]) .. uint(inc) .. uint(ep)
   .. uint(tu) .. uint(rs) .. '\163seq' .. uint(seq) .. '\168turn_seq' .. uint(tseq)
 local id = redis.call('XADD', KEYS[2], '*', 'e', event, 'x', ARGV[3])
-for i = 3, #KEYS, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[1], 'd') end
+for i = 11, #KEYS + 8 do
+  if m[i] then ring(m[i], ARGV[1], 'd') end
+end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
 -- The counters, the fence and the turn key where they moved, and the call's record,
 -- in one write.
@@ -387,6 +390,7 @@ if owners > 0 then
   inc = inc + 1
 end
 redis.call('SET', KEYS[8], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5])
+redis.call('HSET', KEYS[1], KEYS[9], holder_bell(KEYS[9], ARGV[3]))  -- who to ring
 redis.call('HINCRBY', KEYS[5], stage .. ':owners', 1)
 local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
 return {'ok', inc, ep, tu, rs, failover, tonumber(p[1] or '0'), p[2] or '0-0',
@@ -402,18 +406,19 @@ end
 return 0
 """
 
-# KEYS: lease     ARGV: token
+# KEYS: lease meta stage_bell     ARGV: token
+# A released session has nobody to ring for the stage until the next acquire.
 RELEASE = r"""
 if holds(redis.call('GET', KEYS[1]), ARGV[1]) then
   redis.call('DEL', KEYS[1])
+  redis.call('HDEL', KEYS[2], KEYS[3])
   return 1
 end
 return 0
 """
 
-# KEYS: meta lease prog stage_out client_out (bell lease)* [client_bell]  (each stage
-#       reading this stage: its bell and its lease; the client bell last for a
-#       client-facing stage)
+# KEYS: meta lease prog stage_out client_out bell* [client_bell]  (the bell of each
+#       stage reading this stage; the client bell last for a client-facing stage)
 # ARGV: stage token applied read_id where first_oseq last_oseq ngroups sid,
 #       then per group: inc ep tu rs n and the group's n events once or twice: where
 #       is '0' (the stage's own stream only), '1' (a client-facing stage that stages
@@ -430,7 +435,10 @@ return 0
 # no fence is.
 PUBLISH = r"""
 if not holds(redis.call('GET', KEYS[2]), ARGV[2]) then return {'lost'} end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'oseq')
+local to_client, to_own = ARGV[5] ~= '0', ARGV[5] ~= '2'
+local last_consumer = #KEYS - (to_client and 1 or 0)  -- KEYS[6..last_consumer]: their bells
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'oseq',
+  unpack(KEYS, 6, last_consumer))  -- m[7]...: the consumers' holders' bells
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local stage = ARGV[1]
@@ -439,7 +447,6 @@ local first_oseq = tonumber(ARGV[6])
 if first_oseq > 0 and first_oseq <= tonumber(p[1] or '0') then
   return {'ok', 0}
 end
-local to_client, to_own = ARGV[5] ~= '0', ARGV[5] ~= '2'
 local groups = {}
 local at = 10
 for g = 1, tonumber(ARGV[8]) do
@@ -476,14 +483,14 @@ for _, span in ipairs(groups) do
 end
 local last_sn = 0
 if written > 0 then
-  local last = #KEYS
   if to_client then
     redis.call('HSET', KEYS[1], 'oseq', sn_text)
     last_sn = sn
-    ring(KEYS[last], ARGV[9], 'd')
-    last = last - 1
+    ring(KEYS[#KEYS], ARGV[9], 'd')
   end
-  for i = 6, last, 2 do ring_holder(KEYS[i], KEYS[i + 1], ARGV[9], 'd') end
+  for i = 7, last_consumer + 1 do
+    if m[i] then ring(m[i], ARGV[9], 'd') end
+  end
 end
 -- Progress in one write: the applied seq and read position if they moved, the oseq.
 local progress = {}

@@ -82,6 +82,34 @@ async def test_a_worker_whose_id_has_spaces_is_rung_on_its_own_bell(redis_url, k
         await bus.aclose()
 
 
+async def test_rings_follow_the_lease_from_holder_to_holder(redis_url, key_prefix):
+    # Acquire records whom to ring in the session's meta hash; release removes it, and the
+    # next acquire replaces it.
+    bus = RedisBus(redis_url, Keys(key_prefix))
+    try:
+        authority = SessionAuthority(bus, PIPELINE)
+        await authority.open("s1")
+        first = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
+        _, lease = await first.acquire("s1", 0)
+        assert lease is not None
+        await first.release(lease, hand_back=False)
+        await authority.append("s1", "append_text", TextPayload("nobody holds it"))
+        assert await rings(bus, worker_bell("echo", "w1")) == []
+
+        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w2", 5000).acquire("s1", 0)
+        assert lease is not None
+        await bus.client.delete(bus.keys.session("s1").lease("echo"))  # w2's lease expired
+        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w3", 5000).acquire("s1", 0)
+        assert lease is not None
+        await authority.append("s1", "append_text", TextPayload("w3 holds it"))
+        await authority.cancel("s1", reason="barge_in")
+        assert await rings(bus, worker_bell("echo", "w3")) == [("s1", "d"), ("s1", "c")]
+        assert await rings(bus, worker_bell("echo", "w2")) == [("s1", "c")]  # w3's failover
+        assert await rings(bus, worker_bell("echo", "w1")) == []
+    finally:
+        await bus.aclose()
+
+
 async def test_a_publish_rings_the_next_stages_holder_and_the_coordinators(redis_url, key_prefix):
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:

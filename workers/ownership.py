@@ -153,8 +153,9 @@ class StageOwnership:
 
     async def release(self, lease: Lease, *, hand_back: bool) -> None:
         """Give the lease up; with ``hand_back`` the session is queued for another worker."""
-        key = self.bus.keys.session(lease.session_id).lease(self.stage)
-        released = await self.bus.run(self.bus.release_script, [key], [lease.token])
+        sk = self.bus.keys.session(lease.session_id)
+        keys = [sk.lease(self.stage), sk.meta, sk.bell(self.stage)]
+        released = await self.bus.run(self.bus.release_script, keys, [lease.token])
         await self.bus.client.zrem(self.bus.keys.lease_index(self.stage), lease.session_id)
         if hand_back and released[0]:
             await self.bus.client.xadd(
@@ -165,8 +166,7 @@ class StageOwnership:
         """KEYS of the publish script (see ``dataplane.scripts``)."""
         sk = self.bus.keys.session(session_id)
         keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
-        for consumer in self._consumers:
-            keys += [sk.bell(consumer), sk.lease(consumer)]
+        keys += [sk.bell(consumer) for consumer in self._consumers]
         if self.to_client:
             keys.append(sk.bell(CLIENT))
         return keys
