@@ -55,7 +55,7 @@ async def _fill(coordinator: Coordinator, ids: list[str], per_session: int) -> f
 async def _applied(coordinator: Coordinator, ids: list[str]) -> int:
     pipe = coordinator.bus.client.pipeline(transaction=False)
     for sid in ids:
-        pipe.hget(coordinator.bus.keys.session(sid).progress, f"{STAGE}:applied")
+        pipe.hget(coordinator.bus.keys.session(sid).meta, f"{STAGE}:applied")
     return sum(int(v or 0) for v in await pipe.execute())
 
 

@@ -470,7 +470,7 @@ class Connection:
     async def _applied_by_first_stages(self) -> int:
         firsts = [s.name for s in self.hub.pipeline.stages if s.input == "session"]
         sk = self.coordinator.bus.keys.session(self.session_id)
-        raw = await self.coordinator.bus.hmget(sk.progress, [f"{n}:applied" for n in firsts])
+        raw = await self.coordinator.bus.hmget(sk.meta, [f"{n}:applied" for n in firsts])
         return min(int(v or 0) for v in raw)
 
     # -- session -> client ---------------------------------------------------------

@@ -256,7 +256,7 @@ async def trim_stream(
 
 async def _trim_session(state: ControlState, session_id: str) -> int:
     sk = state.keys.session(session_id)
-    progress = await state.bus.hgetall(sk.progress)
+    progress = await state.bus.hgetall(sk.meta)  # with each stage's read position
     settings = state.settings
     aged = age_floor(now_ms(), settings.retention_s)
     removed = 0

@@ -39,7 +39,7 @@ async def inspect_session(bus: RedisBus, pipeline: PipelineConfig, session_id: s
     meta = await bus.hgetall(sk.meta)
     if not meta:
         raise KeyError(f"no session {session_id!r}")
-    progress = await bus.hgetall(sk.progress)
+    progress = meta  # each stage's progress is kept with the fence
     fence = Fence(
         session_id,
         int(meta["inc"]),

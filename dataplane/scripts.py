@@ -365,20 +365,37 @@ return remember(KEYS[1], {'ok', inc, ep, tu, rs})
 # the session's settings as the coordinator stored them, '' for none), {'held', holder}
 # or {'closed'}.
 ACQUIRE = r"""
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'config')
-if m[1] ~= 'open' then return {'closed'} end
-local holder = redis.call('GET', KEYS[8])
 local stage = ARGV[2]
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'config',
+  stage .. ':applied', stage .. ':read', stage .. ':oseq', stage .. ':owners')
+if m[1] ~= 'open' then return {'closed'} end
+if not m[10] then
+  -- Never acquired since the session opened, or opened when stages kept their progress
+  -- in the prog hash (KEYS[5]): what is there moves into meta.
+  local names = {stage .. ':applied', stage .. ':read', stage .. ':oseq', stage .. ':owners',
+    stage .. ':failures', stage .. ':failed_at'}
+  local old = redis.call('HMGET', KEYS[5], unpack(names))
+  local moved = {}
+  for i = 1, #names do
+    if old[i] then
+      moved[#moved + 1] = names[i]
+      moved[#moved + 1] = old[i]
+    end
+  end
+  if #moved > 0 then redis.call('HSET', KEYS[1], unpack(moved)) end
+  m[7], m[8], m[9], m[10] = old[1], old[2], old[3], old[4]
+end
+local holder = redis.call('GET', KEYS[8])
+local applied, read_id, oseq = tonumber(m[7] or '0'), m[8] or '0-0', tonumber(m[9] or '0')
 if holder and holds(holder, ARGV[4]) then
   -- A retry of an acquire that succeeded (its reply was lost): the same grant again.
   local inc = tonumber(string.match(holder, '(%d+)$'))
-  local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
-  return {'ok', inc, tonumber(m[3]), tonumber(m[4]), tonumber(m[5]), 0, tonumber(p[1] or '0'),
-    p[2] or '0-0', tonumber(p[3] or '0'), m[6] or ''}
+  return {'ok', inc, tonumber(m[3]), tonumber(m[4]), tonumber(m[5]), 0, applied, read_id, oseq,
+    m[6] or ''}
 end
 if holder then return {'held', holder} end
 local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
-local owners = tonumber(redis.call('HGET', KEYS[5], stage .. ':owners') or '0')
+local owners = tonumber(m[10] or '0')
 local failover = 0
 if owners > 0 then
   failover = 1
@@ -390,11 +407,10 @@ if owners > 0 then
   inc = inc + 1
 end
 redis.call('SET', KEYS[8], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. inc, 'PX', ARGV[5])
-redis.call('HSET', KEYS[1], KEYS[9], holder_bell(KEYS[9], ARGV[3]))  -- who to ring
-redis.call('HINCRBY', KEYS[5], stage .. ':owners', 1)
-local p = redis.call('HMGET', KEYS[5], stage .. ':applied', stage .. ':read', stage .. ':oseq')
-return {'ok', inc, ep, tu, rs, failover, tonumber(p[1] or '0'), p[2] or '0-0',
-  tonumber(p[3] or '0'), m[6] or ''}
+-- Whom to ring for the stage, and one owner more.
+redis.call('HSET', KEYS[1], KEYS[9], holder_bell(KEYS[9], ARGV[3]), stage .. ':owners',
+  string.format('%d', owners + 1))
+return {'ok', inc, ep, tu, rs, failover, applied, read_id, oseq, m[6] or ''}
 """
 
 # KEYS: lease     ARGV: token ttl_ms
@@ -417,8 +433,8 @@ end
 return 0
 """
 
-# KEYS: meta lease prog stage_out client_out bell* [client_bell]  (the bell of each
-#       stage reading this stage; the client bell last for a client-facing stage)
+# KEYS: meta lease stage_out client_out bell* [client_bell]  (the bell of each stage
+#       reading this stage; the client bell last for a client-facing stage)
 # ARGV: stage token applied read_id where first_oseq last_oseq ngroups sid,
 #       then per group: inc ep tu rs n and the group's n events once or twice: where
 #       is '0' (the stage's own stream only), '1' (a client-facing stage that stages
@@ -436,15 +452,15 @@ return 0
 PUBLISH = r"""
 if not holds(redis.call('GET', KEYS[2]), ARGV[2]) then return {'lost'} end
 local to_client, to_own = ARGV[5] ~= '0', ARGV[5] ~= '2'
-local last_consumer = #KEYS - (to_client and 1 or 0)  -- KEYS[6..last_consumer]: their bells
+local last_consumer = #KEYS - (to_client and 1 or 0)  -- KEYS[5..last_consumer]: their bells
+local stage = ARGV[1]
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'oseq',
-  unpack(KEYS, 6, last_consumer))  -- m[7]...: the consumers' holders' bells
+  stage .. ':oseq', stage .. ':applied',
+  unpack(KEYS, 5, last_consumer))  -- m[9]...: the consumers' holders' bells
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
-local stage = ARGV[1]
-local p = redis.call('HMGET', KEYS[3], stage .. ':oseq', stage .. ':applied')
 local first_oseq = tonumber(ARGV[6])
-if first_oseq > 0 and first_oseq <= tonumber(p[1] or '0') then
+if first_oseq > 0 and first_oseq <= tonumber(m[7] or '0') then
   return {'ok', 0}
 end
 local groups = {}
@@ -473,36 +489,39 @@ for _, span in ipairs(groups) do
   written = written + span[2]
   local journal_copy = to_own and span[2] or 0  -- where the journal's copies start
   for i = span[1], span[1] + span[2] - 1 do
-    if to_own then redis.call('XADD', KEYS[4], '*', 'e', ARGV[i]) end
+    if to_own then redis.call('XADD', KEYS[3], '*', 'e', ARGV[i]) end
     if to_client then
       sn = sn + 1
       sn_text = string.format('%d', sn)
-      redis.call('XADD', KEYS[5], '*', 'e', ARGV[i + journal_copy], 'n', sn_text)
+      redis.call('XADD', KEYS[4], '*', 'e', ARGV[i + journal_copy], 'n', sn_text)
     end
   end
 end
 local last_sn = 0
+-- The journal's oseq and the stage's progress (the applied seq and read position if they
+-- moved, the stage's oseq) in one write.
+local changes = {}
 if written > 0 then
   if to_client then
-    redis.call('HSET', KEYS[1], 'oseq', sn_text)
+    changes = {'oseq', sn_text}
     last_sn = sn
     ring(KEYS[#KEYS], ARGV[9], 'd')
   end
-  for i = 7, last_consumer + 1 do
+  for i = 9, last_consumer + 4 do
     if m[i] then ring(m[i], ARGV[9], 'd') end
   end
 end
--- Progress in one write: the applied seq and read position if they moved, the oseq.
-local progress = {}
-local applied = tonumber(ARGV[3])
-if applied > tonumber(p[2] or '0') then
-  progress = {stage .. ':applied', ARGV[3], stage .. ':read', ARGV[4]}
+if tonumber(ARGV[3]) > tonumber(m[8] or '0') then
+  changes[#changes + 1] = stage .. ':applied'
+  changes[#changes + 1] = ARGV[3]
+  changes[#changes + 1] = stage .. ':read'
+  changes[#changes + 1] = ARGV[4]
 end
 if tonumber(ARGV[7]) > 0 then
-  progress[#progress + 1] = stage .. ':oseq'
-  progress[#progress + 1] = ARGV[7]
+  changes[#changes + 1] = stage .. ':oseq'
+  changes[#changes + 1] = ARGV[7]
 end
-if #progress > 0 then redis.call('HSET', KEYS[3], unpack(progress)) end
+if #changes > 0 then redis.call('HSET', KEYS[1], unpack(changes)) end
 return {'ok', last_sn}
 """
 

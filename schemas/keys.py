@@ -18,7 +18,9 @@ own bells, in its slot; on one Redis a consumer has a single bell.
 key                         type    contents
 ==========================  ======  =============================================
 dq:{p}:{sid}:meta           hash    fence authority: inc, epoch, turn, resp, seq,
-                                    tseq, tkey, oseq, status, caps, timestamps
+                                    tseq, tkey, oseq, status, caps, timestamps;
+                                    per-stage progress ({stage}:applied, :read,
+                                    :oseq, :owners) and whom to ring for it
 dq:{p}:{sid}:in             stream  session input log (field ``e``: InputEvent)
 dq:{p}:{sid}:ctl            stream  session control (field ``c``: ControlEvent)
 dq:{p}:{sid}:st:{stage}     stream  a stage's accepted outputs (``e``) and fence
@@ -26,8 +28,8 @@ dq:{p}:{sid}:st:{stage}     stream  a stage's accepted outputs (``e``) and fence
 dq:{p}:{sid}:out            stream  client journal: outputs for the client with
                                     their ``server_event_seq`` (``n``)
 dq:{p}:{sid}:lease:{stage}  string  lease of (session, stage): "worker token inc"
-dq:{p}:{sid}:prog           hash    per-stage progress: applied seq, read position,
-                                    output seq, owner count
+dq:{p}:{sid}:prog           hash    per-stage progress of sessions opened before it
+                                    moved into meta (acquire moves it there)
 dq:assign:{stage}           stream  sessions to hand to the stage's workers
 dq:leases:{stage}           zset    session -> lease expiry (ms), orphan detection
 dq:workers:{stage}          zset    worker id -> last heartbeat (ms); a worker
@@ -35,8 +37,8 @@ dq:workers:{stage}          zset    worker id -> last heartbeat (ms); a worker
 dq:models:{stage}           hash    worker id -> JSON: the model it serves, whether
                                     it is the random-weight fallback, load time
 dq:bell[:{p}]:{consumer}    stream  session ids whose streams for ``consumer``
-                                    changed (field ``s``; ``k``: ``d`` data,
-                                    ``c`` control), capped at ``BELL_LENGTH``
+                                    changed (fields ``d`` data, ``c`` control:
+                                    msgpack arrays), capped at ``BELL_LENGTH``
 dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
 dq:sessions                 zset    open session ids -> opened at (ms)
 dq:{live}:all               zset    live session ids -> counted until (ms): admission
@@ -88,6 +90,8 @@ class SessionKeys:
     control: str
     client: str
     progress: str
+    """Where sessions opened before stage progress moved into ``meta`` kept it: acquire
+    moves a stage's fields from there, open deletes it and close expires it."""
     tag: str
     prefix: str
 

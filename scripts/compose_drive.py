@@ -416,12 +416,12 @@ print(" ".join(l for l in body.splitlines() if l.startswith("duplexq_dropped_sta
 
 
 async def session_state(stack: Stack, session_id: str) -> str:
-    """Where a session stands in Redis: its fence, each stage's progress and lease, the
+    """Where a session stands in Redis: its fence and each stage's progress, its leases, the
     length of each of its streams and the newest entries of its client journal."""
     sk = Keys().session(session_id)
     lines = [
+        # The fence, each stage's progress and whom to ring for it.
         "meta: " + " ".join((await stack.redis("HGETALL", sk.meta)).split()),
-        "progress: " + " ".join((await stack.redis("HGETALL", sk.progress)).split()),
     ]
     for stage in load_pipeline(stack.pipeline).stage_names:
         lease = (await stack.redis("GET", sk.lease(stage))).strip()

@@ -258,7 +258,7 @@ async def test_trim_stops_at_the_slowest_consumer(settings, coordinator, ctx):
     await coordinator.open("s1")
     await _append(coordinator, "s1", [f"m{i}" for i in range(250)])
     ids = [e.id for e in await bus.xrange(sk.input)]
-    await bus.client.hset(sk.progress, "echo:read", ids[49])
+    await bus.client.hset(sk.meta, "echo:read", ids[49])
     await trim_streams(ctx)
     assert [e.id for e in await bus.xrange(sk.input)] == ids[49:]
 
@@ -272,10 +272,10 @@ async def test_trim_waits_for_every_consumer_of_a_stream(settings, ctx):
         await coordinator.open("s1")
         await _append(coordinator, "s1", [f"m{i}" for i in range(250)])
         last = await coordinator.bus.last_id(sk.input)
-        await coordinator.bus.client.hset(sk.progress, "a:read", last)
+        await coordinator.bus.client.hset(sk.meta, "a:read", last)
         await trim_streams(fan_ctx)
         assert await coordinator.bus.xlen(sk.input) == 250  # b has read nothing
-        await coordinator.bus.client.hset(sk.progress, "b:read", last)
+        await coordinator.bus.client.hset(sk.meta, "b:read", last)
         await trim_streams(fan_ctx)
         assert await coordinator.bus.xlen(sk.input) == 100
     finally:
@@ -293,7 +293,7 @@ async def test_trim_never_breaks_a_stage_whose_reader_is_down(settings):
         await coordinator.open("s1")
         await _append(coordinator, "s1", texts)
         async with running_worker(settings, chain, "thinker"), asyncio.timeout(20):
-            while await bus.client.hget(sk.progress, "thinker:applied") != b"250":
+            while await bus.client.hget(sk.meta, "thinker:applied") != b"250":
                 await asyncio.sleep(0.05)
         await trim_streams(chain_ctx)
         assert await bus.xlen(sk.input) == 100

@@ -131,7 +131,7 @@ async def test_a_retried_acquire_grants_the_lease_it_took(rig):
     status, lease = await ownership.acquire("s1", 0)
     assert rig.proxy.dropped == 1
     assert status is AcquireStatus.OK and lease is not None and not lease.failover
-    owners = await rig.bus.hmget(rig.sk.progress, ["echo:owners"])
+    owners = await rig.bus.hmget(rig.sk.meta, ["echo:owners"])
     assert owners == [b"1"]
 
 

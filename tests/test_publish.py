@@ -30,7 +30,7 @@ async def published(actor: SessionActor) -> list:
 
 async def applied(actor: SessionActor) -> int:
     bus = actor.ownership.bus
-    raw = await bus.hmget(bus.keys.session(actor.session_id).progress, [f"{STAGE}:applied"])
+    raw = await bus.hmget(bus.keys.session(actor.session_id).meta, [f"{STAGE}:applied"])
     return int(raw[0] or 0)
 
 

@@ -25,7 +25,7 @@ def settings(redis_server, key_prefix):
 
 
 async def wait_progress(coordinator: Coordinator, sid: str, stage: str, applied: int) -> None:
-    progress = coordinator.bus.keys.session(sid).progress
+    progress = coordinator.bus.keys.session(sid).meta
     async with asyncio.timeout(20):
         while int((await coordinator.bus.hmget(progress, [f"{stage}:applied"]))[0] or 0) < applied:
             await asyncio.sleep(0.02)
@@ -244,5 +244,34 @@ async def test_a_stage_whose_outputs_live_in_the_journal_rebuilds_from_its_own_t
         )  # fmt: skip
         assert [o.text for o in takeover.outputs] == ["talker1", "talker2", "talker3"]
         assert takeover.published == {2: 2}
+    finally:
+        await bus.aclose()
+
+
+async def test_a_stage_whose_progress_is_in_the_old_progress_hash_resumes_where_it_was(
+    redis_server, key_prefix
+):
+    """Sessions opened before a stage's progress moved into the meta hash keep it in the
+    prog hash: the stage's next acquire takes it from there (and moves it), so nothing
+    applied is applied again after an upgrade."""
+    from dataplane.authority import SessionAuthority
+    from dataplane.bus import RedisBus
+    from schemas.keys import Keys
+    from workers.ownership import StageOwnership
+
+    pipeline = echo_pipeline("echo")
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    try:
+        await SessionAuthority(bus, pipeline).open("s1")
+        sk = bus.keys.session("s1")
+        old = {"echo:applied": 7, "echo:read": "5-1", "echo:oseq": 9, "echo:owners": 1}
+        await bus.client.hset(sk.progress, mapping=old)
+        owner = StageOwnership(bus, pipeline, "echo", "w1", 5000)
+        _, lease = await owner.acquire("s1", 0)
+        assert lease is not None
+        assert (lease.applied_seq, lease.read_id, lease.out_seq) == (7, "5-1", 9)
+        assert lease.failover and lease.fence.incarnation == 1  # it had an owner before
+        moved = await bus.hmget(sk.meta, list(old))
+        assert moved == [b"7", b"5-1", b"9", b"2"]  # and one owner more
     finally:
         await bus.aclose()

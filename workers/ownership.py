@@ -165,7 +165,7 @@ class StageOwnership:
     def _make_publish_keys(self, session_id: str) -> list[str]:
         """KEYS of the publish script (see ``dataplane.scripts``)."""
         sk = self.bus.keys.session(session_id)
-        keys = [sk.meta, sk.lease(self.stage), sk.progress, sk.stage_out(self.stage), sk.client]
+        keys = [sk.meta, sk.lease(self.stage), sk.stage_out(self.stage), sk.client]
         keys += [sk.bell(consumer) for consumer in self._consumers]
         if self.to_client:
             keys.append(sk.bell(CLIENT))
@@ -218,7 +218,7 @@ class StageOwnership:
     async def note_failure(self, session_id: str) -> int:
         """Count a failure of this stage on the session; returns how many in a row at
         the stage's recorded progress (a failure after progress was made counts 1)."""
-        progress = self.bus.keys.session(session_id).progress
+        progress = self.bus.keys.session(session_id).meta  # where the stage's progress is
         fields = [f"{self.stage}:{name}" for name in ("applied", "failed_at", "failures")]
         applied, failed_at, failures = await self.bus.hmget(progress, fields)
         at = int(applied or 0)
