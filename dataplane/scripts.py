@@ -87,48 +87,52 @@ end
 -- Idempotent calls, as Kafka's idempotent producer: every caller of a mutating
 -- script (a "producer": one authority object) numbers its calls on a session and
 -- makes them one at a time, passing the producer id and the number as the last two
--- ARGV. The reply to the last call is kept in the meta hash under w:<producer>, as
--- "<number> <the reply's items>" (an 'ok' reply: a status word, numbers and stream
--- ids, none with a space); a call whose number is not above it is a retry (its first
--- reply was lost) and gets that reply again, changing nothing. An empty producer id
--- opts out. (A record written as JSON, "[number, reply]", still reads.)
--- Set for each call by ``begin`` (a multi runs several calls on one set of functions).
-local PRODUCER, PSEQ, RECORD
+-- ARGV. The last call's number is kept in the meta hash under n:<producer> and its
+-- reply under w:<producer>, as "<number> <the reply's items>" (an 'ok' reply: a status
+-- word, numbers and stream ids, none with a space); a call whose number is not above
+-- the kept one is a retry (its first reply was lost) and gets that reply again,
+-- changing nothing. An empty producer id opts out.
+-- Set for each call by ``begin`` (a multi runs several calls on one set of functions);
+-- a script without a producer (publish, acquire) has other values there, never used.
+local PRODUCER, PSEQ
 local function begin()
-  PRODUCER, PSEQ = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
-  RECORD = 'w:' .. tostring(PRODUCER)
+  PRODUCER, PSEQ = ARGV[#ARGV - 1], ARGV[#ARGV]
 end
 
--- The reply to repeat for a call whose record is ``raw`` (an HGET of RECORD), or nil.
-local function repeat_of(raw)
-  if PRODUCER == '' or not raw then return nil end
-  if string.byte(raw, 1) == 91 then
-    local last = cjson.decode(raw)
-    if PSEQ <= last[1] then return last[2] end
-    return nil
-  end
-  local number = string.match(raw, '^%d+')
-  if PSEQ > tonumber(number) then return nil end
+-- The meta fields of this producer's last call: its number and its reply. Made only by
+-- the scripts that have a producer (the others' last arguments are their data).
+local function record_fields()
+  return 'n:' .. PRODUCER, 'w:' .. PRODUCER
+end
+
+-- Whether this call's number is not above ``number``, the one kept (nil: none). Both
+-- are decimal text without leading zeros, compared as text: no number is parsed.
+local function seen(number)
+  if not number or PRODUCER == '' then return false end
+  return #number > #PSEQ or (#number == #PSEQ and number >= PSEQ)
+end
+
+-- The reply kept in a record ``raw``: its items after the number.
+local function reply_of(raw)
   local reply = {}
-  for item in string.gmatch(string.sub(raw, #number + 2), '%S+') do
+  for item in string.gmatch(string.sub(raw, string.find(raw, ' ', 1, true) + 1), '%S+') do
     reply[#reply + 1] = tonumber(item) or item
   end
   return reply
 end
 
+-- The reply to repeat if this call was made before, or nil.
 local function replayed(meta)
   if PRODUCER == '' then return nil end
-  return repeat_of(redis.call('HGET', meta, RECORD))
-end
-
--- The record of ``reply``, to store under RECORD.
-local function record(reply)
-  return PSEQ .. ' ' .. table.concat(reply, ' ')
+  local kept = redis.call('HMGET', meta, record_fields())
+  if seen(kept[1]) then return reply_of(kept[2]) end
+  return nil
 end
 
 local function remember(meta, reply)
   if PRODUCER ~= '' then
-    redis.call('HSET', meta, RECORD, record(reply))
+    local number, record = record_fields()
+    redis.call('HSET', meta, record, PSEQ .. ' ' .. table.concat(reply, ' '), number, PSEQ)
   end
   return reply
 end
@@ -243,10 +247,10 @@ return remember(KEYS[1], {'ok', inc})
 # numbers are kept as the strings read (or given) where they only go back out: turning
 # a Lua number into text costs a formatted print each.
 APPEND = r"""
+local NUMBER, RECORD = record_fields()
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
-  'tkey', 'caps', RECORD, unpack(KEYS, 3))  -- m[11]...: the readers' holders' bells
-local again = repeat_of(m[10])
-if again then return again end
+  'tkey', 'caps', NUMBER, unpack(KEYS, 3))  -- m[11]...: the readers' holders' bells
+if seen(m[10]) then return reply_of(redis.call('HGET', KEYS[1], RECORD)) end
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
@@ -290,10 +294,12 @@ if tkey ~= m[8] then
   changes[#changes + 1] = 'tkey'
   changes[#changes + 1] = tkey
 end
-if PRODUCER ~= '' then  -- record(reply), built from the strings at hand
+if PRODUCER ~= '' then  -- as ``remember`` keeps it, built from the strings at hand
   changes[#changes + 1] = RECORD
-  changes[#changes + 1] = ARGV[#ARGV] .. ' ok ' .. seq_text .. ' ' .. tseq_text .. ' ' .. sinc
+  changes[#changes + 1] = PSEQ .. ' ok ' .. seq_text .. ' ' .. tseq_text .. ' ' .. sinc
     .. ' ' .. sep .. ' ' .. stu .. ' ' .. srs .. ' ' .. id
+  changes[#changes + 1] = NUMBER
+  changes[#changes + 1] = PSEQ
 end
 redis.call('HSET', KEYS[1], unpack(changes))
 return reply

@@ -149,23 +149,27 @@ async def test_a_connection_reset_during_its_handshake_is_retried(redis_server, 
             await bus.aclose()
 
 
-async def test_a_call_recorded_as_json_is_still_recognised_as_a_repeat(rig):
-    """Records used to be JSON, ``[number, reply]``; one left in Redis by an earlier
-    version is still read, so a retry across an upgrade appends nothing twice."""
-    import json
-
+async def test_call_numbers_are_compared_as_numbers_across_every_digit_count(rig):
+    """The scripts compare a call's number with the one kept as text (no number is
+    parsed): a longer number is a later call, one as long compares digit by digit. A
+    producer's id lives as long as its process, so what an earlier version kept is
+    never read by a producer of this one."""
     from dataplane.authority import encode_tail
     from schemas.events import InputMode
 
     await rig.authority.open("s1")
-    first = await rig.authority.append("s1", "append_text", TextPayload("hello"))
-    recorded = ["ok", first.seq, first.turn_seq, 0, 0, 0, 0, first.entry_id]
-    await rig.bus.hset(rig.sk.meta, {"w:earlier": json.dumps([5, recorded])})
     tail = encode_tail(InputMode.APPEND_TEXT, TextPayload("hello"), 0)
-    args = ["s1", "append_text", tail, "0", 0, 0, 0, 0, "earlier", 5]
-    reply = await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
-    assert reply == recorded and await rig.bus.xlen(rig.sk.input) == 1
-    # A new number is a new call.
-    args[-1] = 6
-    reply = await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
-    assert reply[:2] == ["ok", 2] and await rig.bus.xlen(rig.sk.input) == 2
+
+    async def call(number: int) -> list:
+        args = ["s1", "append_text", tail, "0", "p1", number]
+        return await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
+
+    seqs = []
+    for number in (9, 10, 99, 100, 999, 1000):
+        first = await call(number)
+        assert first[0] == "ok"
+        assert await call(number) == first  # a retry: its reply again
+        seqs.append(first[1])
+    assert seqs == [1, 2, 3, 4, 5, 6] and await rig.bus.xlen(rig.sk.input) == 6
+    assert (await call(999))[1] == 6  # not above the last: the last call's reply
+    assert (await call(1001))[1] == 7
