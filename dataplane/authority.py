@@ -65,8 +65,14 @@ class CancelResult(NamedTuple):
 
 def encode_tail(mode: InputMode, payload: Payload, ts_ms: int) -> bytes:
     """The msgpack map entries (without the map header) for mode, payload and ts_ms."""
-    raw = _tail_encoder.encode({"mode": mode.value, "payload": payload, "ts_ms": ts_ms})
+    # An InputMode is a str (its value): neither here nor in the script's arguments does
+    # it need its ``.value``, a descriptor call.
+    raw = _tail_encoder.encode({"mode": mode, "payload": payload, "ts_ms": ts_ms})
     return raw[1:]  # drop the fixmap header; the script writes a header for 7 entries
+
+
+def _as_text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _fence(session_id: str, reply: list[Any], start: int) -> Fence:
@@ -107,10 +113,17 @@ class SessionAuthority:
         removed when its last user leaves, so the map holds only busy sessions."""
 
     async def _call(
-        self, script: Any, session_id: str, keys: Sequence[str], args: Sequence[Any]
+        self,
+        script: Any,
+        session_id: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        *,
+        raw: bool = False,
     ) -> list[Any]:
         """Run a mutating script as this producer's next call on ``session_id``: one at a
-        time per session (the session's lock), numbered in increasing order."""
+        time per session (the session's lock), numbered in increasing order. With ``raw``
+        the reply is as Redis gave it (``RedisBus.run_raw``)."""
         serial = self._serial.get(session_id)
         if serial is None:
             serial = self._serial[session_id] = _Serial()
@@ -118,6 +131,8 @@ class SessionAuthority:
         try:
             async with serial.lock:
                 numbered = [*args, self.producer, next(self._numbers)]
+                if raw:
+                    return await self.bus.run_raw(script, keys, numbered)
                 return await self.bus.run(script, keys, numbered)
         finally:
             serial.users -= 1
@@ -208,13 +223,15 @@ class SessionAuthority:
             self.bus.append_script,
             session_id,
             self._append_keys(session_id),
-            [session_id, checked.value, tail, *given],
+            [session_id, checked, tail, *given],
+            raw=True,  # read here as Redis gave it: numbers, and bytes for the id
         )
-        if reply[0] != "ok":
-            self._raise(session_id, reply)
+        if reply[0] not in (b"ok", "ok"):
+            self._raise(session_id, [_as_text(item) for item in reply])
         return AppendReceipt(
-            int(reply[1]), int(reply[2]), int(reply[5]), _fence(session_id, reply, 3), reply[7]
-        )
+            int(reply[1]), int(reply[2]), int(reply[5]), _fence(session_id, reply, 3),
+            _as_text(reply[7]),
+        )  # fmt: skip
 
     async def accept(self, fence: Fence) -> Fence:
         """Move the session's fence forward to ``fence`` (turn or response advance)."""

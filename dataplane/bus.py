@@ -274,13 +274,17 @@ class RedisBus:
 
     async def run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
         """Run a registered script; replies are normalized to str/int lists."""
+        reply = await self.run_raw(script, keys, args)
+        return [_text(item) if isinstance(item, bytes) else item for item in reply]
+
+    async def run_raw(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """``run`` without decoding: the reply's strings stay bytes (the append's caller
+        reads its numbers with ``int`` and decodes the one string it keeps)."""
         if self._replicated is not None:
             reply = await self._replicated.run(script, list(keys), list(args))
         else:
             reply = await self._batcher.run(script, keys, args)
-        if isinstance(reply, list):
-            return [_text(item) if isinstance(item, bytes) else item for item in reply]
-        return [reply]
+        return reply if isinstance(reply, list) else [reply]
 
     async def set_durable(self, key: str, value: str, ttl_s: int) -> None:
         """SET with a TTL, acknowledged as durably as a script (on a cluster: once a
