@@ -60,8 +60,8 @@ async def test_an_append_rings_the_holder_only(redis_url, key_prefix):
 
 
 async def test_a_worker_whose_id_has_spaces_is_rung_on_its_own_bell(redis_url, key_prefix):
-    # The script finds the worker in the lease's value as everything before its last two
-    # words (token and incarnation), so a worker id may hold spaces of its own.
+    # Acquire records the worker's bell from its id as given, and the lease's value is
+    # "<worker> <token> <incarnation>": a worker id may hold spaces of its own.
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
         authority = SessionAuthority(bus, PIPELINE)
