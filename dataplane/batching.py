@@ -125,11 +125,13 @@ replies, and what ``Pipe.start`` returned for it."""
 class _Call:
     __slots__ = ("args", "future", "keys", "script")
 
-    def __init__(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+    def __init__(
+        self, script: Any, keys: Sequence[str], args: Sequence[Any], future: asyncio.Future[Any]
+    ) -> None:
         self.script = script
         self.keys = keys
         self.args = args
-        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.future = future
 
 
 def _settle(call: _Call, outcome: Any) -> None:
@@ -194,13 +196,16 @@ class ScriptBatcher:
 
     async def run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run ``script``; its reply comes once the batch it joined is answered."""
-        call = _Call(script, keys, args)
+        # The loop is looked up once per call: on Python 3.11 each lookup is a getpid()
+        # system call (the running loop is checked against the process).
+        loop = asyncio.get_running_loop()
+        call = _Call(script, keys, args, loop.create_future())
         if not self._pending:
             wait = self._pacer.due_in()
             if wait > 0:
-                asyncio.get_running_loop().call_later(wait, self._flush)
+                loop.call_later(wait, self._flush)
             else:
-                asyncio.get_running_loop().call_soon(self._flush)
+                loop.call_soon(self._flush)
         self._pending.append(call)
         if len(self._pending) == self.batch_size:
             self._flush()  # the rest of the turn's calls form the next batch
