@@ -51,12 +51,14 @@ class Plan:
     """Paced session counts measured with the linger off and at its shipped value."""
     linger_repeats: int = 2
     """Times each setting is measured per session count, alternating with the other."""
-    latency_repeats: int = 3
+    latency_repeats: int = 5
     """Runs of each served latency point; the point shown is the run with the median added
-    p99, every run's added p99 kept beside it (one stall of the machine moves one run)."""
-    throughput_pairs: int = 3
-    """Side-by-side pairs of the raw batched stream and the one-worker saturation point,
-    run one right after the other; the ratio reported is the median pair's."""
+    p99, every run's added p99 kept beside it (one stall of the machine moves one run; on
+    this noisy 2-core machine 3 runs ranged over 3x, so the median is of 5)."""
+    throughput_pairs: int = 5
+    """Side-by-side pairs of the one-worker saturation point and the raw batched stream,
+    each saturation run bracketed by raw runs just before and just after it (the mean of
+    the two is its reference); the ratio reported is the median pair's."""
     scaleout_sessions_per_worker: int = 40
     """Paced sessions each worker serves when workers are added with their sessions
     (``bench.scaleout``), for each worker count of ``throughput_workers``."""

@@ -124,7 +124,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
         count = len(tp["paired"]["pairs"])
         rows.append(["3", f"throughput, 1 echo worker, side by side ({count} pairs, median)",
                      f"{f(median['events_per_s'], 0)} ev/s",
-                     f"raw batched {f(median['raw_batched_eps'], 0)} ev/s, run just before",
+                     f"raw batched {f(median['raw_batched_eps'], 0)} ev/s, runs around it",
                      x(median["ratio"])])  # fmt: skip
     raw_cpu = (raw_s or {}).get("batched", {}).get("cpu_us_per_event", {})
     for p in tp.get("points", [])[:1]:

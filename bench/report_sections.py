@@ -193,7 +193,8 @@ def throughput_section(s: dict[str, Any] | None) -> str:
         out.append(
             f"\n**Side by side.** The raw batched stream's rate moves between runs more than the\n"
             f"pipeline's, so the one-worker ratio is also measured in {len(pairs['pairs'])} pairs, "
-            "the raw stream\nand then the saturation point, one right after the other: "
+            "each saturation\npoint between a raw run just before it and one just after "
+            "(their mean is its reference): "
             f"**{x(median['ratio'])}** (the median pair).\nEach pair, raw / pipeline: {listed}.\n"
         )
     per_worker = per_worker_rows(s["points"])

@@ -72,25 +72,38 @@ async def run(
 
 async def paired(server: PrivateRedis, plan: Any, log_dir: Path) -> dict[str, Any]:
     """The one-worker ratio to the raw batched stream, side by side: ``plan.throughput_pairs``
-    times the raw stream and then the saturation point, one right after the other, so each
-    ratio's two rates see the machine in the same state; the median pair's ratio, and
-    every pair's."""
-    pairs = []
-    for index in range(plan.throughput_pairs):
-        reference = await raw.stream(server, f"pair{index}", plan.raw_stream_events, raw.BATCH,
-                                     log_dir)  # fmt: skip
+    saturation points, each bracketed by raw runs just before and just after it (a raw run
+    between two points serves both), so that the machine drifting during a pair moves both
+    sides of its ratio; each point's reference is the mean of its two raw runs. The median
+    pair's ratio, and every pair's."""
+
+    async def raw_run(index: int) -> dict[str, Any]:
+        result = await raw.stream(server, f"pair{index}", plan.raw_stream_events, raw.BATCH,
+                                  log_dir)  # fmt: skip
         server.flush()
+        return result
+
+    pairs = []
+    before = await raw_run(0)
+    for index in range(plan.throughput_pairs):
         point = await saturated(server, log_dir, f"pair{index}", 1, plan)
+        after = await raw_run(index + 1)
+        reference = (before["events_per_s"] + after["events_per_s"]) / 2
+        raw_cpu = [r["cpu_us_per_event"].get("total") for r in (before, after)]
         pairs.append({
-            "raw_batched_eps": reference["events_per_s"],
+            "raw_batched_eps": round(reference, 1),
+            "raw_batched_eps_before_after": [before["events_per_s"], after["events_per_s"]],
             "events_per_s": point["events_per_s"],
-            "ratio": ratio(point["events_per_s"], reference["events_per_s"]),
+            "ratio": ratio(point["events_per_s"], reference),
             "cpu_us_per_event": point["cpu_us_per_event"].get("total"),
-            "raw_cpu_us_per_event": reference["cpu_us_per_event"].get("total"),
+            "raw_cpu_us_per_event": (
+                round(sum(raw_cpu) / 2, 1) if None not in raw_cpu else None
+            ),
         })  # fmt: skip
-        print(f"  pair {index + 1}: raw batched {reference['events_per_s']:.0f} ev/s, "
-              f"1 worker {point['events_per_s']:.0f} ev/s ({pairs[-1]['ratio']:.2f}x)",
-              flush=True)  # fmt: skip
+        print(f"  pair {index + 1}: raw batched {before['events_per_s']:.0f} / "
+              f"{after['events_per_s']:.0f} ev/s around 1 worker {point['events_per_s']:.0f} "
+              f"ev/s ({pairs[-1]['ratio']:.2f}x)", flush=True)  # fmt: skip
+        before = after
     if not pairs:
         return {}
     return {"pairs": pairs, "median": median_run(pairs, lambda pair: pair["ratio"])}
