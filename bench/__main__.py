@@ -34,6 +34,7 @@ from bench import (
     backlog,
     bargein,
     chart,
+    coalesce_report,
     failover,
     latency,
     linger,
@@ -47,7 +48,7 @@ from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.plan import FULL, QUICK, Plan
 
 SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-            "primaries", "linger")  # fmt: skip
+            "primaries", "linger", "coalesce")  # fmt: skip
 NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling", "primaries"}
 RESULTS = ROOT / "bench" / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -65,6 +66,7 @@ RUNNERS: dict[str, Section] = {
     "takein": takein.run,
     "primaries": primaries.run,
     "linger": linger.run,
+    "coalesce": coalesce_report.run,
 }
 
 

@@ -9,12 +9,14 @@ settings' defaults) and off (``coalesce_ms = 0``). Per token it reports:
 
 - publishes: publish scripts run per token;
 - CPU: of this process (the actors) and of redis-server, in µs;
-- latency: from the draft being yielded to the output being visible in the
-  stage's output stream, seen by a reader in a child process (XREAD BLOCK;
-  ``CLOCK_MONOTONIC`` is one clock for both processes): p50 / p99 / max.
+- latency: from the draft being yielded to the output being visible where
+  the stage publishes it (the client journal: no stage reads this one), seen
+  by a reader in a child process (XREAD BLOCK; ``CLOCK_MONOTONIC`` is one
+  clock for both processes): p50 / p99 / max.
   The difference between the on and off rows is what coalescing adds.
 
-Results go to ``bench/coalesce.json``.
+Results go to ``bench/coalesce.json``. ``python -m bench --only coalesce`` runs the
+same measurement as section 12 of docs/benchmarks.md (``bench/coalesce_report.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, cpu_seconds, machine_info, private_redis, python_env, summarize_ns
+from bench.common import (
+    ROOT,
+    PrivateRedis,
+    cpu_seconds,
+    machine_info,
+    private_redis,
+    python_env,
+    summarize_ns,
+)
 from bench.common import write_json as write_results
 from dataplane.authority import SessionAuthority
 from dataplane.bus import Entry, RedisBus
@@ -54,6 +65,17 @@ PIPELINE = echo_pipeline(STAGE)
 OUT = ROOT / "bench" / "coalesce.json"
 
 
+@dataclass(frozen=True)
+class Load:
+    """What is streamed: ``sessions`` x ``answers`` answers of ``tokens`` tokens each."""
+
+    sessions: int = 4
+    answers: int = 10
+    tokens: int = 50
+    rate: float = 200.0
+    """Tokens/s of the paced rows (the others stream as fast as the loop turns)."""
+
+
 class StreamingModel:
     """Streams ``tokens`` flush drafts per event, stamped with when each was yielded."""
 
@@ -61,6 +83,7 @@ class StreamingModel:
     continuous_input = False
     follows_responses = True
     rebuild = NO_HISTORY
+    edits_conversation = False
 
     def __init__(self, tokens: int, rate: float) -> None:
         self.tokens = tokens
@@ -110,7 +133,7 @@ def read_outputs(url: str, streams: list[str], expected: int) -> None:
     seen = 0
     deadline = time.monotonic() + 300
     while seen < expected and time.monotonic() < deadline:
-        reply = client.xread(cursors, count=1000, block=1000)
+        reply: Any = client.xread(cursors, count=1000, block=1000)  # the sync client's reply
         arrived = time.monotonic_ns()
         for stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -153,7 +176,7 @@ async def answer_all(actor: SessionActor, answers: int) -> None:
 
 
 async def run_one(
-    url: str, redis_pid: int, name: str, rate: float, coalesce_ms: int, args: argparse.Namespace
+    url: str, redis_pid: int, name: str, rate: float, coalesce_ms: int, load: Load
 ) -> dict[str, Any]:
     settings = Settings(redis_url=url, key_prefix=name, coalesce_ms=coalesce_ms)
     bus = RedisBus(url, Keys(name))
@@ -167,18 +190,20 @@ async def run_one(
         return await real_publish(*a, **kw)
 
     ownership.publish = counted  # type: ignore[method-assign]
-    backend = StreamingModel(args.tokens, rate)
+    backend = StreamingModel(load.tokens, rate)
     try:
         actors = [
             await owned_actor(bus, ownership, f"s{i}", backend, settings)
-            for i in range(args.sessions)
+            for i in range(load.sessions)
         ]
-        streams = [bus.keys.session(a.session_id).stage_out(STAGE) for a in actors]
-        tokens = args.sessions * args.answers * args.tokens
-        reader = start_reader(url, streams, tokens + args.sessions * args.answers)
+        # a client-facing stage that no stage reads publishes into the client journal only
+        keys = [bus.keys.session(a.session_id) for a in actors]
+        streams = [k.client if ownership.journal_only else k.stage_out(STAGE) for k in keys]
+        tokens = load.sessions * load.answers * load.tokens
+        reader = start_reader(url, streams, tokens + load.sessions * load.answers)
         calls = 0
         cpu, redis_cpu, began = time.process_time(), cpu_seconds(redis_pid), time.monotonic()
-        await asyncio.gather(*(answer_all(actor, args.answers) for actor in actors))
+        await asyncio.gather(*(answer_all(actor, load.answers) for actor in actors))
         wall = time.monotonic() - began
         cpu, redis_cpu = time.process_time() - cpu, cpu_seconds(redis_pid) - redis_cpu
         out, _ = reader.communicate(timeout=120)
@@ -219,17 +244,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def measure(server: PrivateRedis, load: Load, label: str = "") -> list[dict[str, Any]]:
+    """The four rows (paced and full speed, each with the shipped coalescing and without),
+    each on its own keys of ``server``."""
     default_ms = Settings().coalesce_ms
     rows = []
+    for speed, rate in (("paced", load.rate), ("full", 0.0)):
+        for coalesce_ms in (default_ms, 0):
+            name = f"{speed}-{coalesce_ms}"
+            row = await run_one(server.url, server.pid, f"{label}{name}", rate, coalesce_ms, load)
+            rows.append({**row, "name": name})
+    return rows
+
+
+async def run(load: Load) -> dict[str, Any]:
     with private_redis("coalesce") as server:
         info = machine_info(server.version())
-        for label, rate in (("paced", args.rate), ("full", 0.0)):
-            for coalesce_ms in (default_ms, 0):
-                name = f"{label}-{coalesce_ms}"
-                rows.append(await run_one(server.url, server.pid, name, rate, coalesce_ms, args))
-    params = {k: getattr(args, k) for k in ("sessions", "answers", "tokens", "rate")}
-    return {"machine": info, "params": params, "rows": rows, "added": added(rows)}
+        rows = await measure(server, load)
+    return {"machine": info, "params": asdict(load), "rows": rows, "added": added(rows)}
 
 
 def added(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -250,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
-    parser.add_argument("--answers", type=int, default=10, help="answers per session")
-    parser.add_argument("--tokens", type=int, default=50, help="tokens per answer")
-    parser.add_argument("--rate", type=float, default=200.0, help="tokens/s of the paced rows")
+    parser.add_argument("--sessions", type=int, default=Load.sessions, help="concurrent sessions")
+    parser.add_argument("--answers", type=int, default=Load.answers, help="answers per session")
+    parser.add_argument("--tokens", type=int, default=Load.tokens, help="tokens per answer")
+    parser.add_argument("--rate", type=float, default=Load.rate, help="tokens/s of paced rows")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--reader", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -261,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         url, expected, *streams = args.reader
         read_outputs(url, streams, int(expected))
         return 0
-    result = asyncio.run(run(args))
+    load = Load(args.sessions, args.answers, args.tokens, args.rate)
+    result = asyncio.run(run(load))
     write_results(args.out, result)
     print(table(result["rows"]))
     for speed, delta in result["added"].items():

@@ -63,6 +63,11 @@ class Plan:
     """Paced sessions each worker serves when workers are added with their sessions
     (``bench.scaleout``), for each worker count of ``throughput_workers``."""
 
+    coalesce_answers: int = 10
+    """Answers of 50 streamed tokens each session streams per setting (``bench.coalesce``)."""
+    coalesce_repeats: int = 3
+    """Runs of each coalescing setting; the figures are their medians."""
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -119,4 +124,6 @@ QUICK = Plan(
     latency_repeats=1,
     throughput_pairs=1,
     scaleout_sessions_per_worker=20,
+    coalesce_answers=4,
+    coalesce_repeats=1,
 )

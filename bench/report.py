@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import linger, primaries, scaleout, takein
+from bench import coalesce_report, linger, primaries, scaleout, takein
 from bench.mdformat import f, ms_pair, table, x
 from bench.report_sections import (
     GPU_RESULTS,
@@ -182,6 +182,7 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
         + takein.summary_rows(ok.get("takein"))
         + primaries.summary_rows(ok.get("primaries"))
         + linger.summary_rows(ok.get("linger"))
+        + coalesce_report.summary_rows(ok.get("coalesce"))
     )
 
 
@@ -202,7 +203,7 @@ def not_measured(results: dict[str, Any]) -> str:
         items.append("- vLLM on a GPU (section 8): no GPU machine was available; run "
                      "`bench/gpu.sh` on one.")  # fmt: skip
     names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-             "primaries", "linger")  # fmt: skip
+             "primaries", "linger", "coalesce")  # fmt: skip
     missing = [name for name in names if name not in sections]
     if missing:
         items.append(f"- Sections not run yet: {', '.join(missing)}.")
@@ -240,6 +241,7 @@ def render(results: dict[str, Any], chart: str) -> str:
         takein.section(sections.get("takein")),
         primaries.section(sections.get("primaries")),
         linger.section(sections.get("linger")),
+        coalesce_report.section(sections.get("coalesce")),
         not_measured(results),
         timings(results),
     ]
