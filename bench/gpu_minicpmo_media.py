@@ -32,6 +32,7 @@ import io
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,9 @@ class Recorder:
         self.requests: dict[str, tuple[dict[str, Any], Any]] = {}
         self._generate = llm.generate
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, *args: Any, **kw: Any):
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, *args: Any, **kw: Any
+    ) -> AsyncIterator[Any]:
         self.requests[request_id] = (prompt, None)
         async for output in self._generate(prompt, params, request_id, *args, **kw):
             self.requests[request_id] = (prompt, output)
@@ -132,7 +135,8 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     print(f"engine started in {time.monotonic() - started:.0f} s")
     recorder = Recorder(llm)
-    llm.generate = recorder.generate
+    wrapped: Any = llm  # the engine's generate is replaced by the recording one
+    wrapped.generate = recorder.generate
     stage = MiniCPMOStage(options, stage="thinker", engine=engine)
     ctx = StageContext("media-check", "thinker", Fence("media-check", 0, 0), options)
     await stage.start(ctx, [], [])

@@ -47,6 +47,7 @@ class TracedBackend:
         self.continuous_input = inner.continuous_input
         self.follows_responses = getattr(inner, "follows_responses", True)
         self.rebuild = inner.rebuild
+        self.edits_conversation = inner.edits_conversation
         self._trace = trace.open("a", buffering=1)
 
     def _write(self, **fields: Any) -> None:
