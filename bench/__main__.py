@@ -45,10 +45,8 @@ from bench import (
     throughput,
 )
 from bench.common import ROOT, machine_info, private_redis, write_json
-from bench.plan import FULL, QUICK, Plan
+from bench.plan import FULL, QUICK, SECTIONS, Plan
 
-SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-            "primaries", "linger", "coalesce")  # fmt: skip
 NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling", "primaries"}
 RESULTS = ROOT / "bench" / "results.json"
 DOC = ROOT / "docs" / "benchmarks.md"

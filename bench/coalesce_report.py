@@ -30,19 +30,20 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-def _figures(rows: list[dict[str, Any]]) -> dict[str, float]:
+def _figures(row: dict[str, Any]) -> dict[str, float]:
     """One row's figures: publishes and CPU (this process plus Redis) per token, latency."""
     return {
-        "publishes_per_token": rows[0]["publishes_per_token"],
-        "cpu_us_per_token": rows[0]["worker_cpu_us_per_token"] + rows[0]["redis_cpu_us_per_token"],
-        "p50_ms": rows[0]["latency"]["p50_ms"],
-        "p99_ms": rows[0]["latency"]["p99_ms"],
-        "delivered": rows[0]["seen"] / rows[0]["tokens"],
+        "publishes_per_token": row["publishes_per_token"],
+        "cpu_us_per_token": row["worker_cpu_us_per_token"] + row["redis_cpu_us_per_token"],
+        "p50_ms": row["latency"]["p50_ms"],
+        "p99_ms": row["latency"]["p99_ms"],
+        "delivered": row["seen"] / row["tokens"],
     }
 
 
 def _medians(runs: list[list[dict[str, Any]]], name: str) -> dict[str, float]:
-    per_run = [_figures([row for row in rows if row["name"] == name]) for rows in runs]
+    """The median of each figure of the row called ``name`` over the runs."""
+    per_run = [_figures(next(row for row in rows if row["name"] == name)) for rows in runs]
     return {key: _median([fig[key] for fig in per_run]) for key in per_run[0]}
 
 
@@ -50,11 +51,12 @@ async def run(server: PrivateRedis, plan: Any, _raw: dict[str, Any], _logs: Path
     settings = Settings()
     load = Load(answers=plan.coalesce_answers)
     runs = [await measure(server, load, f"r{repeat}") for repeat in range(plan.coalesce_repeats)]
+    deltas_per_run = [added(rows) for rows in runs]
     speeds: dict[str, Any] = {}
     for speed in SPEEDS:
         on = _medians(runs, f"{speed}-{settings.coalesce_ms}")
         off = _medians(runs, f"{speed}-0")
-        deltas = [added(rows)[speed] for rows in runs]
+        deltas = [run_deltas[speed] for run_deltas in deltas_per_run]
         speeds[speed] = {
             "on": on,
             "off": off,

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
+            "primaries", "linger", "coalesce")  # fmt: skip
+"""Every section of ``python -m bench``, in the order they run and are reported."""
+
 
 @dataclass(frozen=True)
 class Plan:

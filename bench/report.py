@@ -13,6 +13,7 @@ from typing import Any
 
 from bench import coalesce_report, linger, primaries, scaleout, takein
 from bench.mdformat import f, ms_pair, table, x
+from bench.plan import SECTIONS
 from bench.report_sections import (
     GPU_RESULTS,
     backlog_section,
@@ -202,9 +203,7 @@ def not_measured(results: dict[str, Any]) -> str:
     if not GPU_RESULTS.exists():
         items.append("- vLLM on a GPU (section 8): no GPU machine was available; run "
                      "`bench/gpu.sh` on one.")  # fmt: skip
-    names = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-             "primaries", "linger", "coalesce")  # fmt: skip
-    missing = [name for name in names if name not in sections]
+    missing = [name for name in SECTIONS if name not in sections]
     if missing:
         items.append(f"- Sections not run yet: {', '.join(missing)}.")
     items += [
