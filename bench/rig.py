@@ -82,7 +82,7 @@ async def echo_rig(
         began = now_ns()
         await prime(coordinator, collector, session_ids)
         primed_s = (now_ns() - began) / 1e9
-        collector.latencies.clear()
+        del collector.latencies[:]
         yield Rig(settings, coordinator, collector, session_ids, pool, server, primed_s)
     finally:
         await collector.stop()
