@@ -141,5 +141,8 @@ class Dirty:
         until_sweep = self.sweep_ms - (time.monotonic() - self._swept) * 1000
         wait_ms = max(1.0, min(float(timeout_ms), until_sweep))
         self.ready.clear()
+        # A timeout around the wait rather than ``asyncio.wait_for``, which on Python 3.11
+        # runs the wait in a task of its own: one more task and wake-up per round.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ready.wait(), wait_ms / 1000)
+            async with asyncio.timeout(wait_ms / 1000):
+                await self.ready.wait()
