@@ -270,12 +270,13 @@ async def paced_load(
     in_window = collector.arrivals - arrivals_at_start
     await marker
     lost, cut = await collector.drain(sent)
+    total = sum(sent.values())
     return LoadResult(
         sessions=len(session_ids),
         offered_eps=round(len(session_ids) / PERIOD_S, 1),
         seconds=round(seconds, 2),
-        sent=sum(sent.values()),
-        sent_eps=round(sum(sent.values()) / ((ends - began) / 1e9), 1),
+        sent=total,
+        sent_eps=round(total / ((ends - began) / 1e9), 1),
         delivered_eps=round(in_window / window_s, 1),
         lost=0 if cut else lost,
         undelivered_at_cutoff=lost if cut else 0,
