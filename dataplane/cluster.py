@@ -83,6 +83,13 @@ async def _close(node: Any) -> None:
         return
 
 
+def _close_later(node: Any) -> None:
+    """Close ``node``'s connections in a task of their own (``set_nodes`` is not async)."""
+    task = asyncio.create_task(_close(node))
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
 class _StableNodes(NodesManager):
     """Learns the slot map again but keeps the node objects of nodes still serving."""
 
@@ -100,18 +107,26 @@ class _StableNodes(NodesManager):
 
     def set_nodes(self, old: Any, new: Any, remove_old: bool = False) -> None:
         """As the parent, but a node still serving keeps its object (and connections);
-        only nodes gone from the cluster are closed."""
+        only nodes gone from the cluster are closed.
+
+        The seed nodes (``startup_nodes``) take the serving nodes' objects, as in the
+        parent, and a seed's own object is closed: redis-py drops a seed from its dict
+        when a command to that node fails, without closing it, and the socket its slot
+        map query had opened was left for the garbage collector to find."""
         if remove_old:
             for name in list(old):
                 if name not in new:
-                    task = asyncio.create_task(_close(old.pop(name)))
-                    _closing.add(task)
-                    task.add_done_callback(_closing.discard)
+                    _close_later(old.pop(name))
+        seeds = old is self.startup_nodes
         for name, node in new.items():
-            if name in old and old[name] is not node:
-                old[name].server_type = node.server_type
-            else:
+            kept = old.get(name)
+            if kept is None or kept is node:
                 old[name] = node
+            elif seeds:
+                old[name] = node
+                _close_later(kept)
+            else:
+                kept.server_type = node.server_type
 
     async def aclose(self, attr: str = "nodes_cache") -> None:
         if _in_command.get():  # a failed slot-map refresh inside a command: keep serving
@@ -169,7 +184,12 @@ class ClusterClient(RedisCluster):
         if _in_command.get():  # redis-py's reaction to an error, not a shutdown
             self._initialize = True
             return
-        await super().aclose()
+        # redis-py closes only a client it holds initialised, but one whose last slot-map
+        # refresh failed (or whose command's error asked for one) still holds the
+        # connections of every node it knew: close them all, whatever the flag says.
+        self._initialize = True
+        await self.nodes_manager.aclose()
+        await self.nodes_manager.aclose("startup_nodes")
 
 
 def seed_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
