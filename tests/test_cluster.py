@@ -17,7 +17,7 @@ import redis
 
 from coordinator.service import Coordinator
 from dataplane.bus import RedisBus
-from dataplane.cluster import cluster_client, seed_nodes
+from dataplane.cluster import cluster_client, seed_nodes, stream_read_keys
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import CLIENT, Keys
@@ -83,9 +83,7 @@ async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(red
         )
         assert first[:40] == [[1]] * 40
         assert all(isinstance(reply, redis.ResponseError) for reply in first[40:])
-        for node in redis_cluster.nodes:
-            with redis.Redis(port=node.port) as client:
-                client.config_resetstat()
+        _reset_command_calls(redis_cluster)
         replies = await asyncio.gather(
             *(bus.run(incr, [k], []) for k in names),
             bus.run(refuse, ["{batched-0}x"], []),
@@ -94,13 +92,61 @@ async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(red
         assert replies[:-1] == [[2]] * 40
         assert isinstance(replies[-1], redis.ResponseError)
         assert "refused {batched-0}x" in str(replies[-1])
-        calls: dict[str, int] = {}
-        for node in redis_cluster.nodes:
-            with redis.Redis(port=node.port) as client:
-                for name, stats in client.info("commandstats").items():
-                    calls[name] = calls.get(name, 0) + int(stats["calls"])
+        calls = _command_calls(redis_cluster)
         assert calls["cmdstat_evalsha"] == 41
         assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
+    finally:
+        await bus.aclose()
+
+
+def test_a_stream_reads_keys_are_told_from_its_options():
+    assert stream_read_keys(("COUNT", 5, "BLOCK", 100, "STREAMS", "a", "b", "0", "$")) == [
+        "a",
+        "b",
+    ]
+    # A group named like the STREAMS keyword is still a group.
+    assert stream_read_keys((b"GROUP", b"streams", b"c", b"NOACK", b"STREAMS", b"k", b">")) == [
+        b"k"
+    ]
+    assert stream_read_keys(("UNKNOWN", "STREAMS", "k", "0")) == []
+
+
+def _command_calls(cluster: RedisCluster) -> dict[str, int]:
+    """Each command's calls since the last reset, summed over every node."""
+    calls: dict[str, int] = {}
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as client:
+            for name, stats in client.info("commandstats").items():
+                calls[name] = calls.get(name, 0) + int(stats["calls"])
+    return calls
+
+
+def _reset_command_calls(cluster: RedisCluster) -> None:
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as client:
+            client.config_resetstat()
+
+
+async def test_stream_reads_on_a_cluster_go_to_their_node_without_asking_for_keys(
+    redis_cluster,
+):
+    """redis-py asks a node for the keys of a command whose keys can move (``COMMAND
+    GETKEYS``) before sending it; the data plane's stream reads find their slot
+    themselves (``ClusterClient._determine_slot``), one round trip each."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        streams = [f"{{reads-{i}}}s" for i in range(6)]
+        for stream in streams:
+            await bus.client.xadd(stream, {"f": "v"})
+        reader = bus.reader(100)
+        await bus.xread(reader, {streams[0]: "0"}, 10, 50)  # connects
+        _reset_command_calls(redis_cluster)
+        for stream in streams:
+            assert len(await bus.xread(reader, {stream: "0"}, 10, 50)) == 1
+        assert len(await bus.xread_now(dict.fromkeys(streams, "0"), 10)) == 6
+        calls = _command_calls(redis_cluster)
+        assert calls["cmdstat_xread"] >= 7
+        assert not any(name.startswith("cmdstat_command") for name in calls)
     finally:
         await bus.aclose()
 
