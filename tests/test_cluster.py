@@ -65,40 +65,6 @@ def test_a_sessions_keys_and_its_partitions_bells_share_one_slot(redis_cluster):
     assert len(primaries) == 3
 
 
-async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(redis_cluster):
-    """Calls made together are sent to each primary as one batch closed by one ``WAIT 1``
-    (``dataplane.replicated``): a round trip and a replica acknowledgement per primary,
-    not per call. Each call still gets its own reply, an error reply only its own."""
-    bus = RedisBus(redis_cluster.url)
-    try:
-        incr = bus.register("return redis.call('INCR', KEYS[1])")
-        refuse = bus.register("return redis.error_reply('refused ' .. KEYS[1])")
-        names = [f"{{batched-{i}}}n" for i in range(40)]
-        # First calls: each node is refused them (NOSCRIPT), loads the script and runs
-        # them again.
-        first = await asyncio.gather(
-            *(bus.run(incr, [k], []) for k in names),
-            *(bus.run(refuse, [k], []) for k in names),
-            return_exceptions=True,
-        )
-        assert first[:40] == [[1]] * 40
-        assert all(isinstance(reply, redis.ResponseError) for reply in first[40:])
-        _reset_command_calls(redis_cluster)
-        replies = await asyncio.gather(
-            *(bus.run(incr, [k], []) for k in names),
-            bus.run(refuse, ["{batched-0}x"], []),
-            return_exceptions=True,
-        )
-        assert replies[:-1] == [[2]] * 40
-        assert isinstance(replies[-1], redis.ResponseError)
-        assert "refused {batched-0}x" in str(replies[-1])
-        calls = _command_calls(redis_cluster)
-        assert calls["cmdstat_evalsha"] == 41
-        assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
-    finally:
-        await bus.aclose()
-
-
 def test_a_stream_reads_keys_are_told_from_its_options():
     assert stream_read_keys(("COUNT", 5, "BLOCK", 100, "STREAMS", "a", "b", "0", "$")) == [
         "a",
