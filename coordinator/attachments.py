@@ -6,7 +6,13 @@ attachment lives in the session's meta hash (``att``: the connection's id,
 coordinator process and survives any of them:
 
 - ``attach`` (open or resume, on any coordinator) makes a connection the
-  session's one; a resume must present the API key that opened the session.
+  session's one; a resume must present the API key that opened the session and
+  one of its two newest resume tokens (the one before the newest stays good until
+  the newest is used, so a resume whose reply was lost can be made again). Every
+  write a connection makes (inputs, cancels, notices, settings) names its
+  attachment and is refused in the same atomic step once another connection
+  took the session: a paused or partitioned coordinator that wakes up changes
+  nothing (``tests/test_coordinator_fencing.py``).
 - ``hold`` renews the attachments of a coordinator's live connections in one
   round trip, every third of ``attach_ttl_ms``. A connection whose session was
   attached elsewhere meanwhile is told ``replaced`` and is closed by its
@@ -43,17 +49,29 @@ class Attachments:
         self.ttl_ms = ttl_ms
 
     async def attach(
-        self, session_id: str, attachment: str, digest: str, now_ms: int, *, resume: bool
+        self,
+        session_id: str,
+        attachment: str,
+        digest: str,
+        now_ms: int,
+        *,
+        resume: bool,
+        token: str = "",
+        fresh: str = "",
     ) -> str:
-        """Make ``attachment`` the session's connection; returns the one it replaced."""
+        """Make ``attachment`` the session's connection, ``fresh`` its newest resume
+        token (a digest); a resume presents ``token``. Returns the digest of the token no
+        longer good ('' for none), whose lookup key the caller deletes."""
         meta = self.bus.keys.session(session_id).meta
-        args = [attachment, digest, now_ms + self.ttl_ms, "1" if resume else "0"]
+        args = [attachment, digest, now_ms + self.ttl_ms, "1" if resume else "0", token, fresh]
         reply = await self.bus.run(self.bus.attach_script, [meta], args)
         if reply[0] == "closed":
             raise SessionClosedError(f"session {session_id} is no longer open")
         if reply[0] == "forbidden":
             raise AuthError("this session was opened with another API key", ErrorCode.RESUME_FAILED)
-        return str(reply[1])
+        if reply[0] == "expired":
+            raise AuthError("resume token is no longer valid", ErrorCode.RESUME_FAILED)
+        return str(reply[2])
 
     async def hold(self, held: Mapping[str, str], now_ms: int) -> dict[str, str]:
         """Renew each (session id -> attachment); returns each one's status:

@@ -55,6 +55,7 @@ from schemas.errors import (
     ProtocolError,
     RateLimitedError,
     SessionClosedError,
+    SessionReplacedError,
 )
 from schemas.events import (
     ClearPayload,
@@ -138,6 +139,10 @@ class Connection:
         self._refused: set[str] = set()
         """Function calls whose late result was refused once (a re-send is taken)."""
         self.turn_clock = TurnClock()
+        self.closed = False
+        """Set once this connection stopped serving (evicted or overflowed): nothing more
+        is sent on its socket or written for its session."""
+        self._pump_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -164,7 +169,7 @@ class Connection:
             return
         try:
             async with asyncio.TaskGroup() as group:
-                pump = group.create_task(self._pump())
+                pump = self._pump_task = group.create_task(self._pump())
                 guard = group.create_task(self._close_when_overflowed(pump))
                 if first is not None:
                     await self._process(self._first_raw, first)
@@ -176,20 +181,28 @@ class Connection:
 
     def deliver(self, item: Outgoing) -> None:
         """Queue a server event for the socket; never waits (``coordinator.outbound``)."""
-        self.outbound.put(item)
+        if not self.closed:
+            self.outbound.put(item)
 
     async def _close_when_overflowed(self, pump: asyncio.Task[None]) -> None:
         """A client that stopped reading: stop sending and close with 4008; its receive
         loop then ends and the session waits for a resume."""
         await self.outbound.overflowed.wait()
+        self.closed = True
         pump.cancel()
         log.warning("session %s: %s; closing its connection", self.session_id, OVERFLOW_REASON)
         with contextlib.suppress(Exception):
             await self.socket.close(code=OVERFLOW_CLOSE_CODE, reason=OVERFLOW_REASON)
 
     async def evict(self, reason: str) -> None:
-        """Another connection serves the session now: close this socket (its receive
-        loop then ends and nothing of the session is touched by this connection)."""
+        """Another connection serves the session now: stop sending and close this socket
+        with 4000 (its receive loop then ends; any write it had in flight is refused by
+        Redis, ``SessionReplacedError``)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._pump_task is not None:
+            self._pump_task.cancel()
         with contextlib.suppress(Exception):
             await self.socket.close(code=4000, reason=reason)
 
@@ -213,8 +226,9 @@ class Connection:
         token = secrets.token_urlsafe(32)
         fence = await self.coordinator.open(self.session_id)
         await self.hub.attachments.attach(
-            self.session_id, self.attachment, self.key_digest, _now_ms(), resume=False
-        )
+            self.session_id, self.attachment, self.key_digest, _now_ms(), resume=False,
+            fresh=token_hash(token),
+        )  # fmt: skip
         bus = self.coordinator.bus
         await bus.set_durable(bus.keys.resume(token_hash(token)), self.session_id, 86_400)
         await self.hub.register(self)
@@ -239,30 +253,37 @@ class Connection:
     async def _resume(self, event: SessionResume) -> None:
         session_id = await self._session_for_token(event.resume_token)
         self.hub.reserve()
+        # The new token is findable before the session accepts it. The one presented
+        # stays good until the new one is used: if this reply is lost, the client can
+        # resume again with it (``coordinator.attachments``).
+        token = secrets.token_urlsafe(32)
+        bus = self.coordinator.bus
+        await bus.set_durable(bus.keys.resume(token_hash(token)), session_id, 86_400)
         try:
-            await self.hub.attachments.attach(
-                session_id, self.attachment, self.key_digest, _now_ms(), resume=True
-            )
+            dropped = await self.hub.attachments.attach(
+                session_id, self.attachment, self.key_digest, _now_ms(), resume=True,
+                token=token_hash(event.resume_token), fresh=token_hash(token),
+            )  # fmt: skip
         except SessionClosedError as exc:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
+        if dropped:
+            await bus.client.delete(bus.keys.resume(dropped))
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
         # Input sent on the old socket may wait for its commit: a response.create here
         # asks for the response (it answers "nothing to answer" when there was none).
         self.uncommitted = True
-        # The token is good for one resume: the next one needs the token sent now.
-        token = secrets.token_urlsafe(32)
-        bus = self.coordinator.bus
-        await bus.set_durable(bus.keys.resume(token_hash(token)), session_id, 86_400)
-        await bus.client.delete(bus.keys.resume(token_hash(event.resume_token)))
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_seq, self.translator
         )
-        await self.hub.register(self)
+        # The replay's follower takes over the journal and this connection takes the
+        # session's deliveries in one step (no await between): a delivery judged by the
+        # old follower meanwhile would reach this connection besides the replay's own.
         self.coordinator.reader.attach(
             session_id, replay.follower.view.current, follower=replay.follower
         )
+        await self.hub.register(self)
         await self.socket.send_json(
             {"type": "duplexq.session.resumed", "event_id": _fresh_event_id(),
              "session": {"id": session_id}, "resume_token": token,
@@ -288,7 +309,7 @@ class Connection:
     # -- client -> session ----------------------------------------------------------
 
     async def _receive(self) -> None:
-        while True:
+        while not self.closed:
             try:
                 raw = await self.socket.receive_text()
             except Exception:  # the client went away (WebSocketDisconnect and kin)
@@ -311,6 +332,10 @@ class Connection:
                 await self._check_backpressure(cost)
             await self._handle(event)
             self.limits.budget.charge(self._last_seq, cost)
+        except SessionReplacedError:
+            # The client resumed on another connection: whatever this socket still had
+            # buffered is not the session's any more.
+            await self.evict("session resumed on another connection")
         except DuplexqError as exc:
             await self._error(exc, _client_event_id(raw))
 
@@ -319,10 +344,13 @@ class Connection:
         lasts, else send it to the socket only; it names the client event it answers
         when that had an id."""
         event = error_event(exc.code.value, exc.message, client_event_id)
-        if self.limits.journal_error():
-            await self.coordinator.authority.journal(self.session_id, event)
-        else:
+        if not self.limits.journal_error():
             self.deliver(event)
+            return
+        try:
+            await self._journal(event)
+        except SessionReplacedError:
+            await self.evict("session resumed on another connection")
 
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
@@ -343,7 +371,9 @@ class Connection:
         elif isinstance(event, ResponseCreate):
             tools = conversation.response_tools(event)
             if tools is not None and self.uncommitted:
-                await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, tools)
+                await self.coordinator.append(
+                    sid, InputMode.EDIT_CONVERSATION, tools, attachment=self.attachment
+                )
             await self._commit(announce=False)
         elif isinstance(event, AudioClear):
             await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
@@ -357,7 +387,7 @@ class Connection:
             started = time.monotonic()
             active = self.translator.active
             reason = event.type.removeprefix("duplexq.")  # barge_in, response.cancel, ...
-            result = await self.coordinator.cancel(sid, reason=reason)
+            result = await self.coordinator.cancel(sid, reason=reason, attachment=self.attachment)
             self.min_epoch = max(self.min_epoch, result.fence.epoch)
             self._ended_up_to = max(self._ended_up_to, result.fence.response_seq)
             CANCEL_ACK.observe(time.monotonic() - started)
@@ -380,7 +410,7 @@ class Connection:
             payload = TextPayload(conversation.text_of(item), item_id=item.id or "")
             receipt = await self._append(InputMode.APPEND_TEXT, payload)
             notice = conversation.created_notice(event, item.id or f"item_{receipt}")
-            await self.coordinator.authority.journal(sid, notice)
+            await self._journal(notice)
             return
         if isinstance(item, FunctionCallOutputItem):
             # A result for a call of a response interrupted since is refused once.
@@ -393,7 +423,9 @@ class Connection:
             await self._append(InputMode.PLAYBACK_ACK, ack)
             cut = conversation.acknowledged(event, self.translator)
             if cut is not None:
-                await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, cut)
+                await self.coordinator.append(
+                    sid, InputMode.EDIT_CONVERSATION, cut, attachment=self.attachment
+                )
             return
         if isinstance(event, ItemCreate):
             edit, notice = conversation.added(event)
@@ -401,8 +433,10 @@ class Connection:
             edit, notice = conversation.deleted(event)
         else:
             edit, notice = conversation.truncated(event, self.translator)
-        await self.coordinator.append(sid, InputMode.EDIT_CONVERSATION, edit)
-        await self.coordinator.authority.journal(sid, notice)
+        await self.coordinator.append(
+            sid, InputMode.EDIT_CONVERSATION, edit, attachment=self.attachment
+        )
+        await self._journal(notice)
 
     async def _configure(self, event: SessionUpdate) -> None:
         """Store the merged configuration (resume and new stage owners start from it),
@@ -413,11 +447,14 @@ class Connection:
         except ValidationError as exc:
             raise invalid_event(event.type, exc, skip=0, whole="session") from exc
         sid = self.session_id
-        sk = self.coordinator.bus.keys.session(sid)
-        await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
+        await self.coordinator.authority.configure(
+            sid, self.config.model_dump_json(), attachment=self.attachment
+        )
         settings = stage_settings(self.config)
         if settings != stage_settings(previous):
-            await self.coordinator.append(sid, InputMode.UPDATE_SESSION, settings)
+            await self.coordinator.append(
+                sid, InputMode.UPDATE_SESSION, settings, attachment=self.attachment
+            )
         await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:
@@ -437,7 +474,9 @@ class Connection:
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
         try:
-            await self.coordinator.authority.reserve_response(self.session_id)
+            await self.coordinator.authority.reserve_response(
+                self.session_id, attachment=self.attachment
+            )
             receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
         except BaseException:
             self.turn_clock.forget()
@@ -447,10 +486,16 @@ class Connection:
             await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
-        await self.coordinator.authority.journal(self.session_id, {"type": event_type, **fields})
+        await self._journal({"type": event_type, **fields})
+
+    async def _journal(self, event: dict[str, Any]) -> None:
+        """Journal a notice for the client, while this connection serves the session."""
+        await self.coordinator.authority.journal(self.session_id, event, attachment=self.attachment)
 
     async def _append(self, mode: InputMode, payload: Payload) -> int:
-        receipt = await self.coordinator.append(self.session_id, mode, payload)
+        receipt = await self.coordinator.append(
+            self.session_id, mode, payload, attachment=self.attachment
+        )
         self._last_seq = receipt.seq
         if mode is not InputMode.TURN_COMMIT_ONLY:
             self.uncommitted = True

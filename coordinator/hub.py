@@ -90,23 +90,27 @@ class Hub:
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), period)
-            connections = dict(self.connections)
-            held = {sid: conn.attachment for sid, conn in connections.items()}
             try:
-                statuses = await self.attachments.hold(held, _now_ms())
-                digests = {sid: conn.key_digest for sid, conn in connections.items()}
-                await self.live.renew(
-                    {sid: digests[sid] for sid, status in statuses.items() if status == "ok"},
-                    {sid: digests[sid] for sid, status in statuses.items() if status == "closed"},
-                    _now_ms(),
-                )
+                await self.hold_once()
             except Exception:
                 log.exception("renewing attachments failed; retrying")
-                continue
-            for sid, status in statuses.items():
-                connection = self.connections.get(sid)
-                if status == "replaced" and connection is not None:
-                    await connection.evict("session resumed on another connection")
+
+    async def hold_once(self) -> None:
+        """One round of ``_hold``."""
+        connections = dict(self.connections)
+        held = {sid: conn.attachment for sid, conn in connections.items()}
+        statuses = await self.attachments.hold(held, _now_ms())
+        digests = {sid: conn.key_digest for sid, conn in connections.items()}
+        await self.live.renew(
+            {sid: digests[sid] for sid, status in statuses.items() if status == "ok"},
+            {sid: digests[sid] for sid, status in statuses.items() if status == "closed"},
+            _now_ms(),
+        )
+        # The connection Redis judged, not whichever is registered now: a resume on this
+        # process meanwhile registered a fresh one, which must not be closed.
+        for sid, status in statuses.items():
+            if status == "replaced":
+                await connections[sid].evict("session resumed on another connection")
 
     async def stop(self) -> None:
         self._stopping.set()

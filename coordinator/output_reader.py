@@ -66,7 +66,10 @@ class JournalFollower:
             if b"c" in entry.fields:
                 control = decode_control(entry.fields[b"c"])
                 self.view.observe(control.fence)
-                return Delivery(self.session_id, control, 0, entry.id)
+                # A barrier has a journal seq of its own (0 if written before they had).
+                return Delivery(
+                    self.session_id, control, int(entry.fields.get(b"n", b"0")), entry.id
+                )
             output = decode_output(entry.fields.get(b"e", b""))
         except WireDecodeError:
             self._drop("undecodable", "")

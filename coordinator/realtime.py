@@ -59,8 +59,11 @@ TIMELINES_KEPT = 64
 """Responses whose spoken timeline a connection keeps for truncation."""
 
 SEQ_STRIDE = 1024
-"""A server event's ``duplexq.seq`` = journal seq * SEQ_STRIDE + the event's index among those one
-journal entry (and the barriers after it) produced: strictly increasing, not dense."""
+"""A server event's ``duplexq.seq`` = journal seq * SEQ_STRIDE + the event's index among those
+its journal entry produced: strictly increasing, not dense. Outputs, notices and fence
+barriers each have a journal seq, so an event's seq depends only on its entry's place in
+the journal, never on what a reader delivered before it (a barrier written before
+barriers had one continues the numbering of the entry before it)."""
 
 _AUDIO_FORMATS = {"pcm16": ("pcm_s16le", 2), "pcm_f32le": ("pcm_f32le", 4)}
 _IMAGE_FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
@@ -180,7 +183,8 @@ class ServerEventTranslator:
         return self._timelines.get(item_id)
 
     def translate(self, item: OutputEvent | ControlEvent, journal_seq: int) -> list[ServerEvent]:
-        """Server events for one journal item (``journal_seq`` 0 for a barrier)."""
+        """Server events for one journal item (``journal_seq`` 0: a barrier written before
+        barriers had a journal seq)."""
         self.epoch = max(self.epoch, item.fence.epoch)
         events = self._control(item) if isinstance(item, ControlEvent) else self._output(item)
         if journal_seq:

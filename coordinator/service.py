@@ -50,20 +50,26 @@ class Coordinator:
         return fence
 
     async def append(
-        self, session_id: str, mode: InputMode | str, payload: Payload
+        self, session_id: str, mode: InputMode | str, payload: Payload, *, attachment: str = ""
     ) -> AppendReceipt:
-        """Accept one input into the session log under the session's current fence."""
-        return await self.authority.append(session_id, mode, payload)
+        """Accept one input into the session log under the session's current fence; with
+        ``attachment``, only while that client connection serves the session."""
+        return await self.authority.append(session_id, mode, payload, attachment=attachment)
 
-    async def commit(self, session_id: str) -> AppendReceipt:
+    async def commit(self, session_id: str, *, attachment: str = "") -> AppendReceipt:
         """End the user's turn and reserve the response to it (response_seq + 1)."""
-        await self.authority.reserve_response(session_id)
-        return await self.authority.append(session_id, InputMode.TURN_COMMIT_ONLY, CommitPayload())
+        await self.authority.reserve_response(session_id, attachment=attachment)
+        return await self.authority.append(
+            session_id, InputMode.TURN_COMMIT_ONLY, CommitPayload(), attachment=attachment
+        )
 
-    async def cancel(self, session_id: str, *, reason: str = "cancel") -> CancelResult:
+    async def cancel(
+        self, session_id: str, *, reason: str = "cancel", attachment: str = ""
+    ) -> CancelResult:
         """Interrupt (barge-in / response.cancel): once this returns, nothing of the
-        cancelled epoch is delivered by this coordinator's reader."""
-        result = await self.authority.cancel(session_id, reason=reason)
+        cancelled epoch is delivered by this coordinator's reader. With ``attachment``,
+        only while that client connection serves the session."""
+        result = await self.authority.cancel(session_id, reason=reason, attachment=attachment)
         self.reader.advance(result.fence)
         return result
 

@@ -33,6 +33,7 @@ from schemas.errors import (
     SessionClosedError,
     SessionExistsError,
     SessionNotFoundError,
+    SessionReplacedError,
     UnsupportedModeError,
 )
 from schemas.events import PAYLOAD_FOR_MODE, InputMode, OutputKind, Payload
@@ -163,6 +164,10 @@ class SessionAuthority:
             raise SessionClosedError(f"session {session_id!r} is closed")
         if status == "exists":
             raise SessionExistsError(f"session {session_id!r} is already open")
+        if status == "replaced":
+            raise SessionReplacedError(
+                f"session {session_id!r} is served by another connection now"
+            )
         if status == "unsupported":
             raise UnsupportedModeError(f"input mode is not supported by session {session_id!r}")
         if status == "mismatch":
@@ -204,8 +209,12 @@ class SessionAuthority:
         *,
         fence: Fence | None = None,
         ts_ms: int | None = None,
+        attachment: str = "",
     ) -> AppendReceipt:
-        """Append one input to the session log under ``fence`` (or the current fence)."""
+        """Append one input to the session log under ``fence`` (or the current fence).
+        With ``attachment`` (a client connection's id) the input is refused
+        (``SessionReplacedError``) unless that connection still serves the session, in
+        the same atomic step (``tests/test_coordinator_fencing.py``)."""
         try:
             checked = mode if type(mode) is InputMode else InputMode(mode)
         except ValueError as exc:
@@ -223,7 +232,7 @@ class SessionAuthority:
             self.bus.append_script,
             session_id,
             self._append_keys(session_id),
-            [session_id, checked, tail, *given],
+            [session_id, checked, tail, attachment, *given],
             raw=True,  # read here as Redis gave it: numbers, and bytes for the id
         )
         if reply[0] not in (b"ok", "ok"):
@@ -243,23 +252,31 @@ class SessionAuthority:
             self._raise(fence.session_id, reply)
         return fence
 
-    async def reserve_response(self, session_id: str) -> Fence:
-        """Advance the session's response_seq; the response's inputs and outputs carry it."""
+    async def reserve_response(self, session_id: str, *, attachment: str = "") -> Fence:
+        """Advance the session's response_seq; the response's inputs and outputs carry it.
+        ``attachment``: as for ``append``."""
         sk = self.bus.keys.session(session_id)
-        reply = await self._call(self.bus.reserve_script, session_id, [sk.meta], [])
+        reply = await self._call(self.bus.reserve_script, session_id, [sk.meta], [attachment])
         if reply[0] != "ok":
             self._raise(session_id, reply)
         return _fence(session_id, reply, 1)
 
     async def cancel(
-        self, session_id: str, *, expect_epoch: int | None = None, reason: str = "cancel"
+        self,
+        session_id: str,
+        *,
+        expect_epoch: int | None = None,
+        reason: str = "cancel",
+        attachment: str = "",
     ) -> CancelResult:
-        """Interrupt: bump the epoch and put the cancel ahead of queued data."""
+        """Interrupt: bump the epoch and put the cancel ahead of queued data.
+        ``attachment``: as for ``append``."""
+        expect = -1 if expect_epoch is None else expect_epoch
         reply = await self._call(
             self.bus.cancel_script,
             session_id,
             self.script_keys(session_id),
-            [session_id, reason, now_ms(), -1 if expect_epoch is None else expect_epoch],
+            [session_id, reason, now_ms(), expect, attachment],
         )
         if reply[0] == "already":
             current = _fence(session_id, reply, 1)
@@ -311,6 +328,13 @@ class SessionAuthority:
         await self.bus.client.zrem(self.bus.keys.sessions, session_id)
         return _fence(session_id, reply, 1)
 
+    async def configure(self, session_id: str, config: str, *, attachment: str) -> None:
+        """Store the session's configuration (JSON) while ``attachment`` serves it."""
+        sk = self.bus.keys.session(session_id)
+        reply = await self.bus.run(self.bus.configure_script, [sk.meta], [attachment, config])
+        if reply[0] != "ok":
+            self._raise(session_id, reply)
+
     async def current(self, session_id: str) -> Fence:
         """The session's current fence as Redis has it."""
         sk = self.bus.keys.session(session_id)
@@ -323,9 +347,9 @@ class SessionAuthority:
         """The session's authority hash, decoded (for inspection tools)."""
         return await self.bus.hgetall(self.bus.keys.session(session_id).meta)
 
-    async def journal(self, session_id: str, event: dict[str, Any]) -> int:
+    async def journal(self, session_id: str, event: dict[str, Any], *, attachment: str = "") -> int:
         """Append a coordinator notice (a server event as JSON) to the client journal;
-        returns its server_event_seq."""
+        returns its server_event_seq. ``attachment``: as for ``append``."""
         sk = self.bus.keys.session(session_id)
         tail = _tail_encoder.encode(
             {
@@ -343,7 +367,7 @@ class SessionAuthority:
             self.bus.journal_script,
             session_id,
             [sk.meta, sk.client, sk.bell(CLIENT)],
-            [session_id, tail],
+            [session_id, tail, attachment],
         )
         if reply[0] != "ok":
             self._raise(session_id, reply)

@@ -215,6 +215,7 @@ class RedisBus:
         self.journal_script = self._register(scripts.JOURNAL)
         self.reserve_script = self._register(scripts.RESERVE)
         self.attach_script = self._register(scripts.ATTACH)
+        self.configure_script = self._register(scripts.CONFIGURE)
         self.hold_script = self._register(scripts.HOLD)
         self.detach_script = self._register(scripts.DETACH)
         self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)

@@ -194,10 +194,14 @@ end
 
 -- Lifecycle scripts' KEYS: meta in ctl out prog client_bell (stage_out lease bell)*.
 -- Append a fence barrier to the client journal and every stage stream, and ring
--- every consumer: the session's control stream changed too.
+-- every consumer: the session's control stream changed too. In the journal the barrier
+-- takes the next journal seq (field n, as outputs and notices do), so the server events
+-- it becomes are numbered by its own place in the journal, the same for every reader
+-- of it, whatever each delivered before it (``coordinator.realtime.SEQ_STRIDE``).
 -- Streams are trimmed only by the control plane, which knows what is still unread.
 local function barrier(control, sid)
-  redis.call('XADD', KEYS[4], '*', 'c', control)
+  local n = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
+  redis.call('XADD', KEYS[4], '*', 'c', control, 'n', n)
   ring(KEYS[6], sid, 'c')
   local stage_bells = {}
   for i = 9, #KEYS, 3 do stage_bells[#stage_bells + 1] = KEYS[i] end
@@ -242,22 +246,26 @@ return remember(KEYS[1], {'ok', inc})
 """
 
 # KEYS: meta in bell*   (the bell of each stage reading the session's input)
-# ARGV: sid mode tail given(0|1) [inc ep tu rs, when given] producer pseq
+# ARGV: sid mode tail attachment given(0|1) [inc ep tu rs, when given] producer pseq
+# ``attachment`` (empty: no check) is the client connection the input came from: it is
+# refused ({'replaced'}) unless that connection still serves the session (``ATTACH``),
+# so a paused coordinator that wakes up can append nothing its old socket had buffered.
 # ``tail`` is the msgpack of the event's mode, payload and ts_ms entries. The fence's
 # numbers are kept as the strings read (or given) where they only go back out: turning
 # a Lua number into text costs a formatted print each.
 APPEND = r"""
 local NUMBER, RECORD = record_fields()
 local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'seq', 'tseq',
-  'tkey', 'caps', NUMBER, unpack(KEYS, 3))  -- m[11]...: the readers' holders' bells
+  'tkey', 'caps', NUMBER, 'att', unpack(KEYS, 3))  -- m[12]...: the readers' holders' bells
 if seen(m[10]) then return reply_of(redis.call('HGET', KEYS[1], RECORD)) end
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
+if ARGV[4] ~= '' and m[11] ~= ARGV[4] then return {'replaced'} end
 local cinc, cep, ctu, crs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local inc, ep, tu, rs = cinc, cep, ctu, crs
 local sinc, sep, stu, srs = m[2], m[3], m[4], m[5]
-if ARGV[4] == '1' then
-  sinc, sep, stu, srs = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+if ARGV[5] == '1' then
+  sinc, sep, stu, srs = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
   inc, ep, tu, rs = tonumber(sinc), tonumber(sep), tonumber(stu), tonumber(srs)
   local why = mismatch(cinc, cep, ctu, crs, inc, ep, tu, rs)
   if why then return {'mismatch', why, cinc, cep, ctu, crs} end
@@ -279,7 +287,7 @@ local seq_text = string.format('%d', seq)
 local event = '\135\161t\162in\165fence\149' .. short_str(ARGV[1]) .. uint(inc) .. uint(ep)
   .. uint(tu) .. uint(rs) .. '\163seq' .. uint(seq) .. '\168turn_seq' .. uint(tseq)
 local id = redis.call('XADD', KEYS[2], '*', 'e', event, 'x', ARGV[3])
-for i = 11, #KEYS + 8 do
+for i = 12, #KEYS + 9 do
   if m[i] then ring(m[i], ARGV[1], 'd') end
 end
 local reply = {'ok', seq, tseq, inc, ep, tu, rs, id}
@@ -319,13 +327,16 @@ return {'ok'}
 """
 
 # KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
-# ARGV: sid reason now_ms expect_epoch(-1: any) producer pseq
+# ARGV: sid reason now_ms expect_epoch(-1: any) attachment producer pseq
+# ``attachment``: as for APPEND, a cancel from a connection that no longer serves the
+# session is refused ({'replaced'}).
 CANCEL = r"""
 local again = replayed(KEYS[1])
 if again then return again end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'att')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
+if ARGV[5] ~= '' and m[6] ~= ARGV[5] then return {'replaced'} end
 local inc, ep, tu, rs = tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), tonumber(m[5])
 local expect = tonumber(ARGV[4])
 if expect >= 0 and expect < ep then return {'already', inc, ep, tu, rs} end
@@ -532,7 +543,7 @@ return {'ok', last_sn}
 """
 
 # KEYS: meta out client_bell
-# ARGV: sid tail producer pseq
+# ARGV: sid tail attachment producer pseq   (attachment: as for APPEND)
 # A coordinator notice into the client journal, stamped with the session's
 # current fence and the next server_event_seq (also its output seq), so it is
 # ordered with the stages' outputs and replayed on resume like them. ``tail``
@@ -540,8 +551,9 @@ return {'ok', last_sn}
 JOURNAL = r"""
 local again = replayed(KEYS[1])
 if again then return again end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'turn', 'resp', 'att')
 if not m[1] then return {'missing'} end
+if ARGV[3] ~= '' and m[6] ~= ARGV[3] then return {'replaced'} end
 local n = redis.call('HINCRBY', KEYS[1], 'oseq', 1)
 local event = '\139'
   .. cmsgpack.pack('t', 'out', 'fence', {ARGV[1], tonumber(m[2]), tonumber(m[3]),
@@ -553,32 +565,65 @@ return remember(KEYS[1], {'ok', n})
 """
 
 # KEYS: meta
-# ARGV: producer pseq
+# ARGV: attachment producer pseq   (attachment: as for APPEND)
 # The user's turn ended: the model's turn and the response to it are reserved,
 # turn_id + 1 and response_seq + 1 (inputs after it carry the new values).
 RESERVE = r"""
 local again = replayed(KEYS[1])
 if again then return again end
-local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch')
+local m = redis.call('HMGET', KEYS[1], 'status', 'inc', 'epoch', 'att')
 if not m[1] then return {'missing'} end
 if m[1] ~= 'open' then return {'closed'} end
+if ARGV[1] ~= '' and m[4] ~= ARGV[1] then return {'replaced'} end
 local turn = redis.call('HINCRBY', KEYS[1], 'turn', 1)
 local resp = redis.call('HINCRBY', KEYS[1], 'resp', 1)
 return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), turn, resp})
 """
 
 # KEYS: meta
-# ARGV: attachment key_digest until_ms check_key(0|1)
+# ARGV: attachment key_digest until_ms resume(0|1) presented fresh
 # A client connection becomes the one that serves the session (on open, or on a
-# resume from any coordinator); the connection it replaces learns so at its next
-# HOLD. On open the digest of the API key is recorded; a resume must present the
-# same key. Repeating the call changes nothing more.
+# resume from any coordinator). The connection it replaces learns so at its next HOLD,
+# and every write it makes from now on is refused (the attachment checks of APPEND,
+# CANCEL, RESERVE, JOURNAL and CONFIGURE). On open the digest of the API key is
+# recorded; a resume must present the same key.
+# Resume tokens (their digests ``presented`` and ``fresh``): open records ``fresh`` as
+# the session's newest token (tok). A resume must present the newest token or the one
+# before it (tok_prev), which stays good until the newest is used: a resume whose reply
+# was lost (the client never saw its new token) can be made again with the token it
+# presented. ``fresh`` becomes the newest; the reply names the token no longer good
+# ('' for none), whose lookup key the caller deletes. Repeating a call changes nothing
+# more (its ``fresh`` is already the newest).
 ATTACH = r"""
-local m = redis.call('HMGET', KEYS[1], 'status', 'key', 'att')
+local m = redis.call('HMGET', KEYS[1], 'status', 'key', 'att', 'tok', 'tok_prev')
 if m[1] ~= 'open' then return {'closed'} end
-if ARGV[4] == '1' and (m[2] or '') ~= ARGV[2] then return {'forbidden'} end
-redis.call('HSET', KEYS[1], 'key', ARGV[2], 'att', ARGV[1], 'att_until', ARGV[3])
-return {'ok', m[3] or ''}
+local dropped = ''
+if ARGV[4] == '1' then
+  if (m[2] or '') ~= ARGV[2] then return {'forbidden'} end
+  if ARGV[6] ~= '' and m[4] == ARGV[6] then return {'ok', '', ''} end
+  local newest, before = m[4] or ARGV[5], m[5]  -- no tok: opened before tokens were kept
+  if ARGV[5] == newest then
+    dropped = before or ''
+    redis.call('HSET', KEYS[1], 'tok_prev', newest)
+  elseif ARGV[5] == before then
+    dropped = newest
+  else
+    return {'expired'}
+  end
+end
+redis.call('HSET', KEYS[1], 'key', ARGV[2], 'att', ARGV[1], 'att_until', ARGV[3], 'tok', ARGV[6])
+return {'ok', m[3] or '', dropped}
+"""
+
+# KEYS: meta    ARGV: attachment config
+# Store a session.update's merged configuration (what a resume and a new stage owner
+# start from), only while ``attachment`` serves the session ({'replaced'} otherwise).
+CONFIGURE = r"""
+local m = redis.call('HMGET', KEYS[1], 'status', 'att')
+if m[1] ~= 'open' then return {'closed'} end
+if m[2] ~= ARGV[1] then return {'replaced'} end
+redis.call('HSET', KEYS[1], 'config', ARGV[2])
+return {'ok'}
 """
 
 # KEYS: meta    ARGV: attachment until_ms

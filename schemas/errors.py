@@ -7,7 +7,9 @@ Hierarchy::
     ├── SessionError
     │   ├── SessionExistsError        session_exists: open of a live session id
     │   ├── SessionNotFoundError      session_not_found
-    │   └── SessionClosedError        session_closed: reopen needs a higher incarnation
+    │   ├── SessionClosedError        session_closed: reopen needs a higher incarnation
+    │   └── SessionReplacedError      session_replaced: the connection no longer serves
+    │                                 the session (it resumed on another connection)
     ├── ResourceExhaustedError        resource_exhausted (retryable): a capacity limit
     │   └── SessionLimitError         session_limit (retryable): too many live sessions for
     │                                 the API key or the deployment
@@ -67,6 +69,9 @@ class ErrorCode(StrEnum):
     once, taken when the client sends it again."""
     ITEM_NOT_FOUND = "item_not_found"
     """``conversation.item.truncate`` of an item this connection knows no spoken audio of."""
+    SESSION_REPLACED = "session_replaced"
+    """A write from a client connection that no longer serves its session (the client
+    resumed on another connection meanwhile): refused; that connection is closed."""
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
     """``response.cancel`` while no response is reserved or streaming (as the reference
     API answers it); ``barge_in`` is never refused."""
@@ -111,6 +116,10 @@ class SessionNotFoundError(SessionError):
 
 class SessionClosedError(SessionError):
     code = ErrorCode.SESSION_CLOSED
+
+
+class SessionReplacedError(SessionError):
+    code = ErrorCode.SESSION_REPLACED
 
 
 class ResourceExhaustedError(DuplexqError):

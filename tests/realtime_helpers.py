@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -54,6 +55,19 @@ async def coordinator_process(
     """``coordinator.cli coordinator`` (with ``args``) serving ``pipeline`` on a free port
     in a child process, its output to ``log`` if given; yields the ws:// base URL once
     it accepts connections and stops the process on the way out."""
+    async with coordinator_child(settings, pipeline, directory, *args, log=log) as (base, _):
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def coordinator_child(
+    settings: Settings,
+    pipeline: PipelineConfig,
+    directory: Path,
+    *args: str,
+    log: Path | None = None,
+) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``coordinator_process``, yielding the child process too (to signal it)."""
     port = free_port()
     env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
     pipeline_path = write_pipeline(directory, pipeline)
@@ -68,8 +82,9 @@ async def coordinator_process(
             )
     try:
         await _listening(proc, port)
-        yield f"ws://127.0.0.1:{port}"
+        yield f"ws://127.0.0.1:{port}", proc
     finally:
+        os.kill(proc.pid, signal.SIGCONT)  # a test may have left it stopped
         proc.terminate()
         proc.wait(20)
 

@@ -161,7 +161,7 @@ async def test_call_numbers_are_compared_as_numbers_across_every_digit_count(rig
     tail = encode_tail(InputMode.APPEND_TEXT, TextPayload("hello"), 0)
 
     async def call(number: int) -> list:
-        args = ["s1", "append_text", tail, "0", "p1", number]
+        args = ["s1", "append_text", tail, "", "0", "p1", number]
         return await rig.bus.run(rig.bus.append_script, [rig.sk.meta, rig.sk.input], args)
 
     seqs = []

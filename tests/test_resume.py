@@ -99,21 +99,34 @@ async def test_a_resume_while_the_old_socket_is_open_replaces_it(settings, same)
 
 
 async def test_the_resume_token_rotates_and_is_bound_to_the_api_key(settings):
+    """Each resume hands out a new token; the one presented stays good until the new one
+    is used. Cause: the presented token was deleted before the new one reached the
+    client, so a resume whose reply was lost (the socket or the coordinator died in
+    between) left a live session that no token could resume."""
+
+    async def resumed_with(token: str) -> dict:
+        async with Client.connect(base, key="k1") as client:
+            return await resume(client, token)
+
     async with serving(settings, ECHO) as base:
         async with Client.connect(base, key="k1") as first:
-            token = (await first.recv())["duplexq"]["resume_token"]
+            t0 = (await first.recv())["duplexq"]["resume_token"]
         async with Client.connect(base, key="k2") as thief:
-            refused = await resume(thief, token)
-        assert refused["error"]["code"] == "resume_failed"
-        async with Client.connect(base, key="k1") as second:
-            resumed = await resume(second, token)
-        assert resumed["type"] == "duplexq.session.resumed" and resumed["resume_token"] != token
-        async with Client.connect(base, key="k1") as replayer:
-            assert (await resume(replayer, token))["error"]["code"] == "resume_failed"
-        async with Client.connect(base, key="k1") as third:
-            assert (await resume(third, resumed["resume_token"]))[
-                "type"
-            ] == "duplexq.session.resumed"
+            assert (await resume(thief, t0))["error"]["code"] == "resume_failed"
+        lost = await resumed_with(t0)  # its reply never reached the client
+        assert lost["type"] == "duplexq.session.resumed" and lost["resume_token"] != t0
+        again = await resumed_with(t0)  # so it resumes again with the token it has
+        assert again["type"] == "duplexq.session.resumed"
+        t2 = again["resume_token"]
+        assert t2 not in (t0, lost["resume_token"])
+        # The token of the lost reply was superseded; the one presented twice is good
+        # until its successor is used.
+        assert (await resumed_with(lost["resume_token"]))["error"]["code"] == "resume_failed"
+        used = await resumed_with(t2)
+        assert used["type"] == "duplexq.session.resumed"
+        assert (await resumed_with(t0))["error"]["code"] == "resume_failed"
+        # t2 (presented last) still resumes until the newest token is used.
+        assert (await resumed_with(t2))["type"] == "duplexq.session.resumed"
 
 
 # -- the client whose coordinator died -------------------------------------------------
@@ -224,6 +237,48 @@ async def test_a_resume_after_the_journal_was_trimmed_past_a_failover(settings):
         sk = coordinator.bus.keys.session("s1")
         entries = await coordinator.bus.xrange(sk.client)
         await coordinator.bus.trim_before(sk.client, entries[-1].id)  # only "b" is left
-        assert await resumed_deltas(coordinator, "s1", 1 * SEQ_STRIDE + 1) == ["b"]
+        # The client received "a" (journal seq 1) and the failover's notice (2).
+        assert await resumed_deltas(coordinator, "s1", 2 * SEQ_STRIDE) == ["b"]
+    finally:
+        await coordinator.aclose()
+
+
+async def test_a_notice_keeps_its_seq_whatever_a_reader_delivered_before_it(settings):
+    """A fence barrier's events are numbered by the barrier's own place in the journal.
+    Cause: they continued the numbering of the last output the reader had delivered, so
+    a live reader that had not delivered an output (judged it by an older view, or got
+    it twice around a resume) numbered a failover notice lower than the resume's
+    replay did, and the resume sent the client a notice it had already received."""
+    from coordinator.output_reader import JournalFollower
+
+    coordinator = Coordinator(settings, ECHO)
+    journal = JournalBuilder(coordinator, "s1")
+    auth = coordinator.authority
+    try:
+        await auth.open("s1")
+        await journal.acquire()
+        await journal.delta("a", await auth.reserve_response("s1"))
+        await journal.delta("b", await auth.reserve_response("s1"))
+        await journal.acquire()  # the stage changed hands: a failover notice
+        entries = await coordinator.bus.xrange(coordinator.bus.keys.session("s1").client)
+
+        def notice_seqs(skip: set[int]) -> list[int]:
+            follower = JournalFollower("s1", Fence("s1"), metrics=False)
+            translator = ServerEventTranslator(["echo"])
+            seqs = []
+            for index, entry in enumerate(entries):
+                delivery = follower.judge(entry)
+                if delivery is None or index in skip:
+                    continue
+                for event in translator.translate(delivery.event, delivery.server_event_seq):
+                    if event["type"] == "duplexq.session.failover":
+                        seqs.append(event["duplexq"]["seq"])
+            return seqs
+
+        [every] = notice_seqs(set())
+        assert notice_seqs({1}) == [every]  # "b" not delivered by this reader
+        # Resumed by a client that received the notice: it is not sent again.
+        replay = await replay_journal(coordinator, "s1", every, ServerEventTranslator(["echo"]))
+        assert [e["type"] for e in replay.events] == []
     finally:
         await coordinator.aclose()
