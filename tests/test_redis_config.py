@@ -1,15 +1,21 @@
 """The start-up check of the data plane's Redis (``dataplane.redis_config``).
 
 The core on hand-built configurations; then real redis-server processes, each on its
-own port and in its own temp dir: the shipped configuration reports nothing, and a
-cluster primary whose replica is gone is reported.
+own port and in its own temp dir, and real duplexq processes started on them: a Redis
+that cannot keep an acknowledged input is refused in one line (exit code 2) unless
+``redis_durability`` is ``relaxed``, and the shipped configuration starts clean.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -26,9 +32,10 @@ from dataplane.redis_config import (
     online_replicas,
     parse_cluster_nodes,
 )
-from schemas.config import Settings
+from schemas.config import Settings, echo_pipeline
+from tests.processes import ROOT, WorkerProcess, write_pipeline
 from tests.redis_cluster import RedisCluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 SHIPPED = {
     # What REDIS_PERSISTENCE and the shipped command lines give, with Redis 7's defaults.
@@ -39,6 +46,10 @@ SHIPPED = {
     "repl-diskless-sync": "yes",
     "repl-diskless-sync-delay": "0",
 }
+
+EVERYSEC = ["--appendfsync", "everysec"]
+"""A Redis that replies before its AOF is on disk (the docs say it is not offered)."""
+
 
 # -- the core ---------------------------------------------------------------------------
 
@@ -224,7 +235,32 @@ def test_the_setting_travels_to_a_process_and_has_bounds():
         Settings(redis_durability="off")
 
 
-# -- real Redis -------------------------------------------------------------------------
+# -- real Redis, real processes ---------------------------------------------------------
+
+
+@pytest.fixture
+def everysec(tmp_path):
+    server = RedisServer(tmp_path / "everysec", extra=EVERYSEC)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _worker(tmp_path, settings: Settings, name: str = "w1") -> WorkerProcess:
+    pipeline = write_pipeline(tmp_path, echo_pipeline("echo"))
+    return WorkerProcess(settings, pipeline, "echo", name, tmp_path)
+
+
+def _wait_for(worker: WorkerProcess, text: str, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while text not in worker.log():
+        assert worker.proc is not None and worker.proc.poll() is None, worker.log()
+        assert time.monotonic() < deadline, worker.log()
+        time.sleep(0.05)
+
+
+def _json_lines(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
 
 
 async def test_the_shipped_redis_reports_nothing(redis_server):
@@ -252,6 +288,108 @@ async def test_what_a_real_redis_reports(tmp_path, options, expected):
     assert [(f.severity.value, f.setting, f.value) for f in found] == expected
 
 
+def test_a_worker_refuses_a_redis_with_appendfsync_everysec(tmp_path, everysec, key_prefix):
+    worker = _worker(tmp_path, Settings(redis_url=everysec.url, key_prefix=key_prefix))
+    worker.start()
+    assert worker.proc is not None
+    assert worker.proc.wait(30) == 2
+    log = worker.log()
+    assert "Traceback" not in log, log
+    [line] = [line for line in log.splitlines() if not line.startswith("{")]
+    assert line.startswith(
+        f"error: Redis at {everysec.url} cannot keep acknowledged inputs: appendfsync is "
+        "everysec, not always: Redis replies before its append-only file is on disk"
+    ), line
+    assert line.endswith("(DUPLEXQ_REDIS_DURABILITY=relaxed runs on it anyway; docs/deploy.md)")
+
+
+def test_a_relaxed_worker_serves_a_redis_with_appendfsync_everysec_and_says_so(
+    tmp_path, everysec, key_prefix
+):
+    settings = Settings(redis_url=everysec.url, key_prefix=key_prefix, redis_durability="relaxed")
+    worker = _worker(tmp_path, settings)
+    port = free_port()
+    worker.args += ["--metrics-port", str(port)]
+    worker.start()
+    try:
+        _wait_for(worker, "serving stage echo")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+    finally:
+        assert worker.terminate() == 0
+    warnings = [e["msg"] for e in _json_lines(worker.log()) if e["level"] == "warning"]
+    assert warnings == [
+        f"Redis at {everysec.url}: appendfsync is everysec, not always: Redis replies before "
+        "its append-only file is on disk, so a crash of Redis or its host loses inputs "
+        "already acknowledged (accepted: redis_durability is relaxed)"
+    ]
+    gauge = 'duplexq_redis_config_findings{setting="appendfsync",severity="error"} 1.0'
+    assert gauge in metrics, metrics
+
+
+def test_a_worker_on_the_shipped_redis_starts_clean(tmp_path, redis_server, key_prefix):
+    worker = _worker(tmp_path, Settings(redis_url=redis_server.url, key_prefix=key_prefix))
+    worker.start()
+    try:
+        _wait_for(worker, "serving stage echo")
+    finally:
+        assert worker.terminate() == 0
+    levels = {e["level"] for e in _json_lines(worker.log())}
+    assert levels <= {"info"}, worker.log()
+
+
+def test_a_worker_on_a_redis_that_refuses_config_warns_and_starts(tmp_path, key_prefix):
+    # As a managed Redis does: CONFIG renamed away. The operator vouches for it.
+    server = RedisServer(tmp_path / "managed", extra=["--rename-command", "CONFIG", ""])
+    server.start()
+    try:
+        worker = _worker(tmp_path, Settings(redis_url=server.url, key_prefix=key_prefix))
+        worker.start()
+        try:
+            _wait_for(worker, "serving stage echo")
+        finally:
+            assert worker.terminate() == 0
+    finally:
+        server.stop()
+    [warning] = [e["msg"] for e in _json_lines(worker.log()) if e["level"] == "warning"]
+    assert warning.startswith(f"Redis at {server.url}: CONFIG GET is refused (unknown command")
+
+
+def test_a_worker_stopped_while_waiting_for_its_redis_exits_at_once(tmp_path, key_prefix):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there (yet)
+    worker = _worker(tmp_path, Settings(redis_url=url, key_prefix=key_prefix))
+    worker.start()
+    _wait_for(worker, "cannot reach Redis")
+    # 0: it ended its wait, not the grace timer that ends a stuck worker (exit 1).
+    assert worker.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["coordinator"], ["control"], ["control", "--burst"], ["replay", "a", "b"],
+     ["up", "--no-demo", "--workdir", "{tmp}"]],
+    ids=["coordinator", "control", "control-burst", "replay", "up"],
+)  # fmt: skip
+def test_every_command_refuses_a_redis_with_appendfsync_everysec(tmp_path, everysec, command):
+    args = [part.replace("{tmp}", str(tmp_path)) for part in command]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEXQ_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args, "--pipeline",
+         str(ROOT / "configs" / "echo.toml"), "--redis-url", everysec.url],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert lines == [
+        f"duplexq {args[0]}: error: Redis at {everysec.url} cannot keep acknowledged inputs: "
+        "appendfsync is everysec, not always: Redis replies before its append-only file is "
+        "on disk, so a crash of Redis or its host loses inputs already acknowledged "
+        "(DUPLEXQ_REDIS_DURABILITY=relaxed runs on it anyway; docs/deploy.md)"
+    ], done.stderr
+
+
 # -- a real Redis Cluster ---------------------------------------------------------------
 
 
@@ -277,6 +415,23 @@ async def test_a_primary_whose_replica_is_gone_is_reported(tmp_path):
         assert decide(found, "required", cluster.url).refusal is None
     finally:
         cluster.stop()
+
+
+def test_a_worker_refuses_a_cluster_whose_primaries_have_no_replica(tmp_path, key_prefix):
+    cluster = RedisCluster(tmp_path / "cluster", replicas=0)
+    try:
+        cluster.start()
+        worker = _worker(tmp_path, Settings(redis_url=cluster.url, key_prefix=key_prefix))
+        worker.start()
+        assert worker.proc is not None
+        assert worker.proc.wait(30) == 2
+    finally:
+        cluster.stop()
+    [line] = [line for line in worker.log().splitlines() if not line.startswith("{")]
+    assert line.startswith(f"error: Redis at {cluster.url} cannot keep acknowledged inputs: ")
+    for node in cluster.nodes:
+        assert f"primary 127.0.0.1:{node.port} has no replica: a write it acknowledged is " \
+            "lost with it" in line  # fmt: skip
 
 
 def _redis(port: int):
