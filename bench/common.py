@@ -348,8 +348,13 @@ async def wait_workers(bus: Any, stage: str, count: int, limit_s: float = 30.0) 
 
 
 def bench_settings(url: str, prefix: str, **overrides: Any) -> Settings:
-    """Product defaults, pointed at the private server, with a benchmark's overrides."""
-    return Settings.model_validate({"redis_url": url, "key_prefix": prefix, **overrides})
+    """Product defaults, pointed at the private server, with a benchmark's overrides.
+
+    ``redis_durability`` is relaxed: a benchmark's Redis runs without persistence (its
+    figures are the runtime's, not the disk's; docs/benchmarks.md), which a worker
+    checking its Redis at start would otherwise refuse."""
+    values = {"redis_url": url, "key_prefix": prefix, "redis_durability": "relaxed"}
+    return Settings.model_validate({**values, **overrides})
 
 
 # -- the machine ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from dataplane.config import (
     redacted,
 )
 from dataplane.logs import WithoutQueryStrings, setup_logging
+from dataplane.redis_config import check_at_start
 from schemas.config import ConfigError, PipelineConfig, Settings, StageConfig
 from schemas.keys import Keys
 
@@ -59,6 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     pipeline = load_pipeline_for(settings, args.pipeline)
     chosen = pipeline_path(settings, args.pipeline).resolve()
     check_stage_options(chosen, settings)
+    if args.redis_url:  # a Redis of the caller's: checked before anything starts on it
+        asyncio.run(check_at_start(settings))
     key_note = "API key: one of DUPLEXQ_API_KEYS" if settings.api_keys else "no API key needed"
     if not settings.api_keys and not settings.allow_anonymous:
         # A fresh key for this run, in a file only its owner reads: never printed, so it
@@ -151,6 +154,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(WithoutQueryStrings())
+    # Serves nothing on a Redis that cannot keep what it acknowledges (RedisRefused: one
+    # line, exit 2); waits for one that does not answer yet.
+    asyncio.run(check_at_start(settings, logging.getLogger("duplexq.coordinator"), wait=True))
     logging.getLogger("duplexq.coordinator").info(
         "coordinator serving pipeline %s (%s) on http://%s:%s, Redis at %s",
         pipeline.name, " -> ".join(pipeline.stage_names), host, port,

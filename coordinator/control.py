@@ -567,16 +567,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def control_command(args: argparse.Namespace) -> int:
-    from dataplane.config import RedisUnreachable, ensure_redis, load_pipeline_for, load_settings
+    from dataplane.config import load_pipeline_for, load_settings
+    from dataplane.redis_config import check_at_start
 
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_for(settings, args.pipeline)
-    try:
-        asyncio.run(ensure_redis(settings.redis_url))
-    except RedisUnreachable as exc:
-        if args.burst:
-            raise
-        # Said at once; the long-running control plane then keeps trying (arq retries).
-        log.error("%s; retrying", exc)
+    # RedisRefused (one line, exit 2) on a Redis that cannot keep acknowledged inputs.
+    # One that does not answer: a one-shot run says so (exit 1); the long-running
+    # control plane says it in its log and waits for it.
+    asyncio.run(check_at_start(settings, log, wait=not args.burst))
     worker = asyncio.run(run_control(settings, pipeline, burst=args.burst))
     return 1 if worker.jobs_failed else 0

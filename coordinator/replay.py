@@ -665,7 +665,8 @@ def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
-    from dataplane.config import ensure_redis, load_pipeline_for, load_settings
+    from dataplane.config import load_pipeline_for, load_settings
+    from dataplane.redis_config import check_at_start
 
     if args.again and not args.greedy:
         print("duplexq replay: error: --again names the second target of a --greedy replay",
@@ -673,7 +674,8 @@ def replay_command(args: argparse.Namespace) -> int:
         return 2
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_for(settings, args.pipeline)
-    asyncio.run(ensure_redis(settings.redis_url))
+    # A replay writes a session: not into a Redis that cannot keep it (RedisRefused).
+    asyncio.run(check_at_start(settings))
     if args.enqueue:
         from coordinator.control import enqueue_replay
 

@@ -77,6 +77,12 @@ COALESCE_DELAY = Histogram(
     ["stage"],
     buckets=LATENCY_BUCKETS,
 )
+REDIS_CONFIG_FINDINGS = Gauge(
+    "duplexq_redis_config_findings",
+    "What the start-up check of the data plane's Redis found (dataplane.redis_config), "
+    "by setting and severity; an error here means redis_durability is relaxed.",
+    ["setting", "severity"],
+)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -62,6 +62,14 @@ class Settings(BaseSettings):
     control_redis_url: str = ""
     """The Redis of the control plane's job queue (arq); empty: ``redis_url``. arq is not
     cluster-aware: with a ``redis+cluster://`` data plane, give one plain Redis here."""
+    redis_durability: Literal["required", "relaxed"] = "required"
+    """What a process does at start when the data plane's Redis cannot keep an acknowledged
+    input (``dataplane.redis_config`` reads its configuration): ``required`` refuses to
+    start, in one line, when Redis runs without AOF, with ``appendfsync`` other than
+    ``always``, with an evicting ``maxmemory-policy``, or on a cluster with a primary that
+    has no replica; ``relaxed`` starts anyway and logs each of those as a warning (a Redis
+    meant to forget: benchmarks, a throwaway test). Warnings that threaten no
+    acknowledged input are logged either way (docs/deploy.md, "Redis checks at start")."""
     key_prefix: str = Field("dq", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     """Prefix of every key; lets several deployments (or tests) share one Redis."""
     lease_ttl_ms: int = Field(3000, ge=200, le=120_000)

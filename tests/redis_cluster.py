@@ -1,4 +1,4 @@
-"""A real local Redis Cluster for tests: 3 primaries, each with a replica.
+"""A real local Redis Cluster for tests: 3 primaries, each with a replica (or none).
 
 Six redis-server processes (own ports, own temp dirs, persisting as every
 Redis duplexq starts does) joined with ``redis-cli --cluster create``. A node
@@ -23,17 +23,21 @@ NODE_TIMEOUT_MS = 1000
 
 
 class RedisCluster:
-    """Six nodes; ``url`` is the duplexq URL (``redis+cluster://``) naming the three
-    created as primaries, as a deployment names several seed nodes."""
+    """Six nodes (three with ``replicas=0``); ``url`` is the duplexq URL
+    (``redis+cluster://``) naming the three created as primaries, as a deployment names
+    several seed nodes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, replicas: int = 1) -> None:
         options = [
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
             "--repl-diskless-sync-delay", "0",
         ]  # fmt: skip
-        self.nodes = [RedisServer(workdir / f"node{i}", extra=options) for i in range(6)]
+        self.replicas = replicas
+        """Replicas per primary (0: a cluster whose primaries have none)."""
+        count = 3 * (1 + replicas)
+        self.nodes = [RedisServer(workdir / f"node{i}", extra=options) for i in range(count)]
         for node in self.nodes:
             node.port = cluster_port()
 
@@ -54,8 +58,8 @@ class RedisCluster:
             raise RuntimeError("redis-cli is not installed; run scripts/setup")
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1",
-             "--cluster-yes"],
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas",
+             str(self.replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         self.wait_ok()

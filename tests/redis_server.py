@@ -37,7 +37,9 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.appendonly = appendonly
-        """False only for a test that needs a Redis which forgets (none by default)."""
+        """False only for a test that needs a Redis which forgets (none by default); a
+        duplexq process started on it refuses it unless ``redis_durability`` is
+        ``relaxed`` (``dataplane.redis_config``)."""
         self.extra = list(extra)
         """More redis-server options (a cluster node's)."""
         self.port = free_port()

@@ -4,6 +4,7 @@ resolves it (``docker-compose config``, through tests/test_compose.py's helper):
 - every service has a healthcheck (the one-shot cluster joiner excepted);
 - Redis, and every node of the cluster profile, has a memory limit and the
   ``noeviction`` policy: when full it refuses writes, it never drops stream data;
+  and they pass the check every duplexq process makes of its Redis at start;
 - the container user can write where duplexq writes (the models folder);
 - the thinker's model is chosen by a variable or lies under the mounted ``/models``;
 - the image installs the same extras, with their pins, as the tests run with;
@@ -32,6 +33,7 @@ import pytest
 import yaml
 
 from chaos.cluster import cluster_port
+from dataplane.redis_config import config_findings
 from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer, free_port
 from tests.test_compose import (
@@ -122,6 +124,27 @@ def test_redis_has_a_memory_limit_and_never_evicts(env_file: Path, every_profile
     chosen = compose_config(env_file, "cluster", env={"DUPLEXQ_REDIS_MAXMEMORY": "8gb"})
     for name in ["redis", *REDIS_NODES]:
         assert redis_settings(chosen["services"][name])["--maxmemory"] == "8gb", name
+
+
+REDIS_7_DEFAULTS = {
+    "appendonly": "no",
+    "appendfsync": "everysec",
+    "no-appendfsync-on-rewrite": "no",
+    "maxmemory-policy": "noeviction",
+    "repl-diskless-sync": "yes",
+    "repl-diskless-sync-delay": "5",
+}
+"""What Redis 7 runs with where its command line says nothing."""
+
+
+def test_redis_passes_the_check_every_process_makes_at_start(every_profile: Config) -> None:
+    # dataplane.redis_config: the shipped Redis and cluster nodes give no finding, not
+    # even a warning.
+    services = every_profile["services"]
+    for name in ["redis", *REDIS_NODES]:
+        given = {k.removeprefix("--"): v for k, v in redis_settings(services[name]).items()}
+        found = config_findings({**REDIS_7_DEFAULTS, **given}, cluster=name != "redis")
+        assert found == [], (name, [f.line for f in found])
 
 
 def test_the_container_user_can_write_the_models_folder(

@@ -12,19 +12,18 @@ import threading
 from pathlib import Path
 
 from dataplane.config import (
-    RedisUnreachable,
     check_stage,
-    ensure_redis,
     load_pipeline_for,
     load_settings,
     pipeline_path,
 )
 from dataplane.logs import setup_logging
 from dataplane.metrics import serve_metrics
+from dataplane.redis_config import RedisRefused, check_at_start
 from schemas.config import ConfigError
 from workers.check import pipeline_problems
 from workers.loading import ModelLoadFailed
-from workers.runtime import Worker
+from workers.runtime import Worker, WorkerState
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +73,14 @@ async def serve(worker: Worker, metrics_port: int | None = None) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    # Nothing is served on a Redis that cannot keep what it acknowledges (RedisRefused);
+    # one that does not answer yet is waited for, and a stop signal then ends the wait.
+    checked = await check_at_start(
+        worker.settings, logging.getLogger("duplexq.worker"), wait=True,
+        stopping=lambda: worker.state is not WorkerState.STARTING,
+    )  # fmt: skip
+    if checked is None:
+        _exit_now(0)  # stopped before Redis answered: nothing was taken, nothing to hand back
     server = None
     if metrics_port is not None:
         server = serve_metrics(worker.settings.host, metrics_port)
@@ -92,7 +99,8 @@ async def serve(worker: Worker, metrics_port: int | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 after a clean stop, 1 when the worker failed, 2 for a configuration
-    mistake (said in one line)."""
+    mistake (said in one line), a Redis that cannot keep acknowledged inputs included
+    (``dataplane.redis_config``)."""
     args = parse_args(argv)
     try:
         settings = load_settings(args.settings, args.redis_url)
@@ -113,12 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     # Backends find prepared models through the environment, which vLLM's own engine
     # processes inherit (workers.backends.packaged_model).
     os.environ["DUPLEXQ_MODELS_DIR"] = settings.models_dir
-    try:
-        asyncio.run(ensure_redis(settings.redis_url))
-    except RedisUnreachable as exc:
-        # Said at once; a long-running worker then keeps trying, as it does when Redis
-        # goes away later, so a worker may start before its Redis.
-        logging.getLogger("duplexq.worker").error("%s; retrying", exc)
     log = logging.getLogger("duplexq.worker")
     try:
         worker = Worker(
@@ -130,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(serve(worker, args.metrics_port))
+    except RedisRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ModelLoadFailed as exc:
         # One line for whoever reads the log's tail, the cause's traceback with it.
         log.error("%s", exc, exc_info=exc.__cause__ or exc)
