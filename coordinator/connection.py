@@ -317,12 +317,16 @@ class Connection:
     async def _error(self, exc: DuplexqError, client_event_id: str | None = None) -> None:
         """Journal the error (a resume replays it) while the connection's allowance
         lasts, else send it to the socket only; it names the client event it answers
-        when that had an id."""
+        when that had an id. One that cannot be journaled (Redis is full, say) goes to
+        the socket only too: the client hears of it either way."""
         event = error_event(exc.code.value, exc.message, client_event_id)
         if self.limits.journal_error():
-            await self.coordinator.authority.journal(self.session_id, event)
-        else:
-            self.deliver(event)
+            try:
+                await self.coordinator.authority.journal(self.session_id, event)
+                return
+            except DuplexqError:
+                pass
+        self.deliver(event)
 
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
@@ -414,10 +418,14 @@ class Connection:
             raise invalid_event(event.type, exc, skip=0, whole="session") from exc
         sid = self.session_id
         sk = self.coordinator.bus.keys.session(sid)
-        await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
-        settings = stage_settings(self.config)
-        if settings != stage_settings(previous):
-            await self.coordinator.append(sid, InputMode.UPDATE_SESSION, settings)
+        try:
+            await self.coordinator.bus.hset(sk.meta, {"config": self.config.model_dump_json()})
+            settings = stage_settings(self.config)
+            if settings != stage_settings(previous):
+                await self.coordinator.append(sid, InputMode.UPDATE_SESSION, settings)
+        except BaseException:
+            self.config = previous  # refused (Redis full): the same update sent again applies
+            raise
         await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:

@@ -1,22 +1,33 @@
-"""A full Redis (maxmemory, noeviction) refuses writes: the adapter raises
-``RedisFullError`` (``redis_full``) for what it refused, and renewals, holds and detaches
-run all the same (``dataplane.full``)."""
+"""A full Redis (maxmemory, noeviction) refuses writes: clients hear ``redis_full`` for the
+events it refused, nobody is disconnected, no session fails over, nothing accepted is
+lost, and everything goes on by itself once Redis has room (``dataplane.full``)."""
 
 import asyncio
+import base64
 import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from coordinator.attachments import Attachments
 from dataplane.authority import SessionAuthority
 from dataplane.batching import multi_script
 from dataplane.bus import RedisBus
 from dataplane.scripts import ALLOW_OOM
-from schemas.config import echo_pipeline
+from schemas.config import Settings, echo_pipeline
 from schemas.errors import ErrorCode, RedisFullError
 from schemas.events import TextPayload
 from schemas.keys import Keys
+from tests.pipeline_helpers import fast_settings
+from tests.processes import WorkerProcess, write_pipeline
+from tests.realtime_helpers import Client, serving, text_turn, until_completed
+from tests.redis_server import RedisServer
 from workers.ownership import StageOwnership
 
 # -- the adapter ---------------------------------------------------------------------------
@@ -126,3 +137,176 @@ def test_the_multi_form_keeps_a_scripts_flags_first():
         assert script.script.startswith(ALLOW_OOM)
         assert multi_script(script.script).script.startswith(ALLOW_OOM)
     assert not multi_script(bus.append_script.script).script.startswith("#!")
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+MB = 1024 * 1024
+FILLER = [f"filler:{n}" for n in range(16)]
+"""Keys of 512 KB each that take Redis over its limit; deleting them makes room again."""
+
+
+async def store_filler(client: aioredis.Redis) -> None:
+    """Store 8 MB while Redis has no limit (a write is refused once Redis is over its
+    limit, and a large one's own buffer counts towards it)."""
+    for key in FILLER:
+        await client.set(key, b"x" * (MB // 2))
+
+
+async def refuse_writes(client: aioredis.Redis) -> None:
+    """Set ``maxmemory`` 4 MB below what Redis holds, the filler included: Redis is far
+    more over its limit than its own buffers ever move, and refuses every write that
+    adds data."""
+    used = int((await client.info("memory"))["used_memory"])
+    await client.config_set("maxmemory", used - 4 * MB)
+    with pytest.raises(redis.OutOfMemoryError):
+        await client.set("probe", "1")
+
+
+async def free(client: aioredis.Redis) -> None:
+    """Delete the filler (a delete runs on a full Redis): 4 MB below the limit again."""
+    await client.delete(*FILLER)
+    await client.set("probe", "1")
+
+
+SILENCE = base64.b64encode(b"\x00\x00" * 480).decode()
+"""20 ms of 24 kHz PCM16 silence."""
+
+REFUSED = [
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+     "content": [{"type": "input_text", "text": "refused"}]}},
+    {"type": "input_audio_buffer.append", "audio": SILENCE},
+    {"type": "input_audio_buffer.commit"},
+    {"type": "input_audio_buffer.clear"},
+    {"type": "session.update", "session": {"instructions": "be brief"}},
+    {"type": "response.cancel"},  # the accepted turn's response is still in progress
+    {"type": "duplexq.barge_in"},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+     "content": [{"type": "input_text", "text": "context"}]}},
+]  # fmt: skip
+"""A client event of each path to Redis: every one needs a write a full Redis refuses."""
+
+
+def _deltas(events):
+    return "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
+
+
+async def _refused(client: Client, events: list[dict], tag: str) -> None:
+    """Send ``events`` (with event ids): each is answered by a ``redis_full`` error naming
+    it, in order, and by nothing else."""
+    ids = [f"{tag}-{n}" for n in range(len(events))]
+    for event_id, event in zip(ids, events, strict=True):
+        await client.send({**event, "event_id": event_id})
+    answers = [await client.recv() for _ in events]
+    assert [(a["type"], a["error"]["code"], a["error"]["event_id"]) for a in answers] == [
+        ("error", "redis_full", event_id) for event_id in ids
+    ]
+
+
+async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: Path, caplog):
+    server = RedisServer(tmp_path / "redis")  # the shipped persistence (AOF, fsync always)
+    server.start()
+    # The shipped lease and heartbeat: Redis stays full for twice the lease's TTL.
+    ttl_ms = Settings.model_fields["lease_ttl_ms"].default
+    heartbeat_ms = Settings.model_fields["heartbeat_ms"].default
+    settings = fast_settings(
+        server.url, "full", lease_ttl_ms=ttl_ms, heartbeat_ms=heartbeat_ms,
+        api_keys=("k1",), first_event_wait_ms=50,
+    )  # fmt: skip
+    pipeline = echo_pipeline("echo")
+    path = write_pipeline(tmp_path, pipeline)
+    # w0 serves the session; w1 starts while Redis is full, and could take the session
+    # over if its lease lapsed.
+    procs = [WorkerProcess(settings, path, "echo", f"w{i}", tmp_path) for i in range(2)]
+    procs[0].start()
+    direct = aioredis.Redis.from_url(server.url)
+    uvicorn_log = logging.getLogger("uvicorn")  # it does not propagate to the root logger
+    uvicorn_log.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING)
+    try:
+        async with serving(settings, pipeline) as base, Client.connect(base) as client:
+            created = await client.recv()
+            assert created["duplexq"]["fence"]["incarnation"] == 0
+            sk = Keys("full").session(created["session"]["id"])
+            for event in text_turn("one"):
+                await client.send(event)
+            assert _deltas(await until_completed(client, 30)) == "one"
+            lease = await direct.get(sk.lease("echo"))
+            assert lease is not None
+            await store_filler(direct)
+
+            # A turn is accepted while its worker is stopped (for a few milliseconds, well
+            # within the lease), so its answer is published only once Redis is full.
+            procs[0].signal(signal.SIGSTOP)
+            for event in text_turn("two"):
+                await client.send(event)
+            await client.until("conversation.item.created")
+            async with asyncio.timeout(10):
+                while await direct.xlen(sk.input) < 4:  # its text and its commit
+                    await asyncio.sleep(0.01)
+            await refuse_writes(direct)
+            procs[0].signal(signal.SIGCONT)
+            procs[1].start()
+            full_since = time.monotonic()
+            held_until = int((await direct.hget(sk.meta, "att_until")) or 0)
+
+            await _refused(client, REFUSED, "a")
+            # Longer than the lease's TTL: the lease is renewed and stays with its worker.
+            while time.monotonic() - full_since < 2 * ttl_ms / 1000:
+                assert await direct.get(sk.lease("echo")) == lease
+                assert await direct.hget(sk.meta, "inc") == b"0"
+                await asyncio.sleep(0.25)
+            assert int(await direct.hget(sk.meta, "att_until")) > held_until  # held too
+            await _refused(client, REFUSED[:1], "b")  # the same socket, still served
+            # A new session cannot be opened, nor a client secret minted: refused with
+            # the same code (the socket closes with 1013, try again later).
+            async with Client.connect(base) as late:
+                refused = await late.recv()
+                assert (refused["type"], refused["error"]["code"]) == ("error", "redis_full")
+                await late.ws.wait_closed()
+                assert late.ws.close_code == 1013
+            async with httpx.AsyncClient() as http:
+                minted = await http.post(
+                    base.replace("ws://", "http://", 1) + "/v1/realtime/client_secrets",
+                    headers={"Authorization": "Bearer k1"},
+                )
+            assert minted.status_code == 503
+            assert minted.json()["error"]["code"] == "redis_full"
+            with pytest.raises(redis.OutOfMemoryError):
+                await direct.set("probe", "1")
+
+            await free(direct)
+            # The turn accepted before Redis filled up is answered, once; the next too.
+            assert _deltas(await until_completed(client, 30)) == "two"
+            for event in text_turn("three"):
+                await client.send(event)
+            assert _deltas(await until_completed(client, 30)) == "three"
+            assert client.ws.close_code is None
+
+        seen = client.seen
+        assert _deltas(seen) == "onetwothree"
+        done = [e["response"]["status"] for e in seen if e["type"] == "response.done"]
+        assert done == ["completed"] * 3
+        fences = [e["duplexq"]["fence"] for e in seen if "fence" in e.get("duplexq", {})]
+        assert fences and all(f["incarnation"] == 0 for f in fences)
+        journaled = [e["duplexq"]["seq"] for e in seen if e["type"] != "error"]
+        assert journaled == sorted(set(journaled))  # nothing delivered twice
+        assert await direct.get(sk.lease("echo")) == lease  # no failover, no new owner
+        assert await direct.hget(sk.meta, "inc") == b"0"
+        assert await direct.xlen(sk.input) == 6  # three turns; nothing refused was kept
+        # The answer to "two" was refused while Redis was full and published after; the
+        # worker started meanwhile waited for room and serves now.
+        assert "Redis is full: a publish was refused" in procs[0].log()
+        async with asyncio.timeout(30):
+            while await direct.zscore(Keys("full").workers("echo"), "w1") is None:
+                await asyncio.sleep(0.05)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
+        for proc in procs:
+            assert "Traceback" not in proc.log(), proc.log()[-3000:]
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        for proc in procs:
+            proc.terminate()
+        await direct.aclose()
+        server.stop()
