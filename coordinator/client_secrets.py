@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from coordinator.auth import SECRET_PREFIX, Identity, check_key, presented
 from dataplane.bus import RedisBus
 from schemas.config import Settings
-from schemas.errors import AuthError, ErrorCode
+from schemas.errors import AuthError, ErrorCode, RedisFullError
 from schemas.realtime import SessionConfig
 from schemas.session_shape import merged, session_object
 
@@ -107,15 +107,24 @@ class ClientSecrets:
         except (ValueError, TypeError, AttributeError) as exc:  # a session of odd shape
             return _error(400, ErrorCode.INVALID_INPUT, f"session: {exc}", "session")
         ttl_s = mint.expires_after.seconds if mint.expires_after else None
-        value, expires_at = await self.mint(
-            identity, ttl_s or self.settings.client_secret_ttl_s, mint.session
-        )
+        try:
+            value, expires_at = await self.mint(
+                identity, ttl_s or self.settings.client_secret_ttl_s, mint.session
+            )
+        except RedisFullError as exc:  # nothing was stored: the same request may succeed later
+            return _error(503, exc.code, exc.message)
         answer = {"value": value, "expires_at": expires_at, "session": session_object("", config)}
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
 
 def _error(status: int, code: ErrorCode, message: str, param: str | None = None) -> Response:
     """The reference API's error body; ``code`` is one of duplexq's stable codes."""
-    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    kind = (
+        "authentication_error"
+        if status == 401
+        else "server_error"
+        if status >= 500
+        else "invalid_request_error"
+    )
     body = {"error": {"type": kind, "code": code.value, "message": message, "param": param}}
     return JSONResponse(body, status_code=status)

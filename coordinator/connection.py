@@ -342,15 +342,19 @@ class Connection:
     async def _error(self, exc: DuplexqError, client_event_id: str | None = None) -> None:
         """Journal the error (a resume replays it) while the connection's allowance
         lasts, else send it to the socket only; it names the client event it answers
-        when that had an id."""
+        when that had an id. One that cannot be journaled (Redis is full, say) goes to
+        the socket only too: the client hears of it either way."""
         event = error_event(exc.code.value, exc.message, client_event_id)
-        if not self.limits.journal_error():
-            self.deliver(event)
-            return
-        try:
-            await self._journal(event)
-        except SessionReplacedError:
-            await self.evict("session resumed on another connection")
+        if self.limits.journal_error():
+            try:
+                await self._journal(event)
+                return
+            except SessionReplacedError:
+                await self.evict("session resumed on another connection")
+                return
+            except DuplexqError:
+                pass  # not journaled (Redis is full): the error still reaches the socket
+        self.deliver(event)
 
     async def _handle(self, event: ClientEvent) -> None:
         sid = self.session_id
@@ -447,14 +451,18 @@ class Connection:
         except ValidationError as exc:
             raise invalid_event(event.type, exc, skip=0, whole="session") from exc
         sid = self.session_id
-        await self.coordinator.authority.configure(
-            sid, self.config.model_dump_json(), attachment=self.attachment
-        )
-        settings = stage_settings(self.config)
-        if settings != stage_settings(previous):
-            await self.coordinator.append(
-                sid, InputMode.UPDATE_SESSION, settings, attachment=self.attachment
+        try:
+            await self.coordinator.authority.configure(
+                sid, self.config.model_dump_json(), attachment=self.attachment
             )
+            settings = stage_settings(self.config)
+            if settings != stage_settings(previous):
+                await self.coordinator.append(
+                    sid, InputMode.UPDATE_SESSION, settings, attachment=self.attachment
+                )
+        except BaseException:
+            self.config = previous  # refused (Redis full): the same update sent again applies
+            raise
         await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:

@@ -21,7 +21,7 @@ from coordinator.service import Coordinator
 from dataplane.authority import now_ms as _now_ms
 from dataplane.metrics import SESSIONS
 from schemas.config import PipelineConfig, Settings
-from schemas.errors import DuplexqError, ResourceExhaustedError
+from schemas.errors import DuplexqError, RedisFullError, ResourceExhaustedError
 
 if TYPE_CHECKING:
     from coordinator.connection import Connection
@@ -101,11 +101,16 @@ class Hub:
         held = {sid: conn.attachment for sid, conn in connections.items()}
         statuses = await self.attachments.hold(held, _now_ms())
         digests = {sid: conn.key_digest for sid, conn in connections.items()}
-        await self.live.renew(
-            {sid: digests[sid] for sid, status in statuses.items() if status == "ok"},
-            {sid: digests[sid] for sid, status in statuses.items() if status == "closed"},
-            _now_ms(),
-        )
+        try:
+            await self.live.renew(
+                {sid: digests[sid] for sid, status in statuses.items() if status == "ok"},
+                {sid: digests[sid] for sid, status in statuses.items() if status == "closed"},
+                _now_ms(),
+            )
+        except RedisFullError:
+            # Holds run on a full Redis (``scripts.HOLD``); the live-session counts wait
+            # for room (they add entries), and replaced connections still close.
+            log.warning("Redis is full: live-session counts not renewed; retrying")
         # The connection Redis judged, not whichever is registered now: a resume on this
         # process meanwhile registered a fresh one, which must not be closed.
         for sid, status in statuses.items():
@@ -166,6 +171,10 @@ class Hub:
             if closed is not None:
                 log.info("session %s closed after the resume grace period", session_id)
                 await self.live.drop(session_id, key_digest)
+        except RedisFullError:
+            # The control plane's audit closes it once Redis has room (the grace is over).
+            log.warning("Redis is full: session %s is left for the control plane to close",
+                        session_id)  # fmt: skip
         except DuplexqError:
             pass  # closed meanwhile
         finally:

@@ -105,16 +105,30 @@ class Multi:
         """Sent (or loaded) once already by this batcher."""
 
 
+def split_flags(script: str) -> tuple[str, str]:
+    """``script``'s first line when it declares Redis script flags (``#!lua flags=...``),
+    and the rest; ``("", script)`` when it declares none. Redis reads the flags only on
+    a script's first line, and anywhere else the line does not compile."""
+    if not script.startswith("#!"):
+        return "", script
+    line, _, rest = script.partition("\n")
+    return line + "\n", rest
+
+
 def multi_script(script: str) -> Multi:
     """``script`` run once per call, its KEYS and ARGV (the upvalues it reads) set for
     each, its error caught as that call's error reply. What comes before the script's
-    ``BODY_MARK`` (the shared prelude's functions) is defined once, not per call."""
+    ``BODY_MARK`` (the shared prelude's functions) is defined once, not per call. The
+    multi carries the script's flags (``split_flags``) on its first line, so Redis runs
+    it as it would run the script (a multi of lease renewals runs on a full Redis too)."""
+    flags, script = split_flags(script)
     shared, mark, own = script.rpartition(BODY_MARK)
     start, finish = "multi_start()", "multi_finish()"  # the prelude's (queued rings)
     if not mark:  # a script without the prelude: all of it runs per call
         shared, own, start, finish = "", script, "", ""
     text = f"local KEYS, ARGV = KEYS, ARGV\n{shared}\nlocal function run()\n{own}\nend\n"
-    return Multi(text + _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish))
+    loop = _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish)
+    return Multi(flags + text + loop)
 
 
 _Started = tuple[dict[str, list["_Call"]], int, Any]

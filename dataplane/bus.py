@@ -22,6 +22,12 @@ script that writes recognises the repeat (the caller's producer id and call
 number, the outputs' seqs, the lease token) and changes nothing more
 (``tests/test_idempotence.py``); plain commands retried here are idempotent
 or harmless when repeated (an assignment entry offered twice is taken once).
+
+A full Redis. A write refused because Redis is at its ``maxmemory`` is raised as
+``schemas.errors.RedisFullError`` (``dataplane.full``), by a script call as by a
+plain command; it is not retried here, since only the caller knows whether to wait
+(a worker) or answer at once (a client's event). A script may declare Redis flags on
+its first line (``#!lua flags=allow-oom``): they stay first, before the shared prelude.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
-from dataplane.batching import RedisPyPipe, ScriptBatcher
+from dataplane.batching import RedisPyPipe, ScriptBatcher, split_flags
 from dataplane.cluster import cluster_client
+from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
@@ -145,6 +152,19 @@ class _ReconnectingPool(aioredis.ConnectionPool):
         return await retry.call_with_retry(lambda: checkout(*args, **kwargs), _no_cleanup)
 
 
+class _Redis(aioredis.Redis):
+    """redis-py's client, raising a write refused by a full Redis as ``RedisFullError``."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            # redis-py leaves this method unannotated.
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if refused_for_memory(exc):
+                raise full_error(exc) from exc
+            raise
+
+
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 """URL schemes that name a Redis Cluster (any of its nodes) instead of one Redis."""
 
@@ -156,7 +176,7 @@ def _client(url: str, **options: Any) -> aioredis.Redis:
     if url.startswith("redis://"):  # TLS and unix sockets keep redis-py's own classes
         options["connection_class"] = PackedConnection
     pool = _ReconnectingPool.from_url(url, **options)
-    client = aioredis.Redis(connection_pool=pool, single_connection_client=single)
+    client = _Redis(connection_pool=pool, single_connection_client=single)
     client.auto_close_connection_pool = True
     return client
 
@@ -220,9 +240,11 @@ class RedisBus:
         self.detach_script = self._register(scripts.DETACH)
         self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)
         self.set_durable_script = self._register(scripts.SET_DURABLE)
+        self.rescore_script = self._register(scripts.RESCORE)
 
     def _register(self, body: str) -> Any:
-        return self.client.register_script(scripts.PRELUDE + body)
+        flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only
+        return self.client.register_script(flags + scripts.PRELUDE + rest)
 
     def register(self, body: str) -> Any:
         """A Lua script of another module, for ``run`` and ``run_many`` (with the
@@ -284,7 +306,12 @@ class RedisBus:
         if self._replicated is not None:
             reply = await self._replicated.run(script, list(keys), list(args))
         else:
-            reply = await self._batcher.run(script, keys, args)
+            try:
+                reply = await self._batcher.run(script, keys, args)
+            except ResponseError as exc:
+                if refused_for_memory(exc):
+                    raise full_error(exc) from exc
+                raise
         return reply if isinstance(reply, list) else [reply]
 
     async def set_durable(self, key: str, value: str, ttl_s: int) -> None:
@@ -305,7 +332,25 @@ class RedisBus:
             return list(
                 await asyncio.gather(*(runner.run(script, list(k), list(a)) for k, a in calls))
             )
-        return list(await asyncio.gather(*(self._batcher.run(script, k, a) for k, a in calls)))
+        try:
+            return list(await asyncio.gather(*(self._batcher.run(script, k, a) for k, a in calls)))
+        except ResponseError as exc:
+            if refused_for_memory(exc):
+                raise full_error(exc) from exc
+            raise
+
+    async def rescore(self, key: str, scores: Mapping[str, int]) -> None:
+        """ZADD ``scores`` (member -> score) to the sorted set ``key``. Members already in
+        it are moved by a script a full Redis still runs (``scripts.RESCORE``); new ones
+        are added by a plain ZADD, which a full Redis refuses (``RedisFullError``)."""
+        if not scores:
+            return
+        args: list[Any] = []
+        for member, score in scores.items():
+            args += [score, member]
+        missing = await self.run(self.rescore_script, [key], args)
+        if missing:
+            await self.client.zadd(key, {member: scores[member] for member in missing})
 
     async def xread(
         self, conn: Reader, streams: Mapping[str, str], count: int, block_ms: int | None

@@ -37,12 +37,14 @@ from redis.exceptions import (
     ClusterError,
     MasterDownError,
     RedisClusterException,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dataplane.full import full_error, refused_for_memory
 from dataplane.packing import PackedConnection
 
 RETRY_S = 30.0
@@ -176,6 +178,10 @@ class ClusterClient(RedisCluster):
                 except FAILOVER_ERRORS:
                     if time.monotonic() + delay > deadline:
                         raise
+                except ResponseError as exc:  # as ``dataplane.bus``'s client raises it
+                    if refused_for_memory(exc):
+                        raise full_error(exc) from exc
+                    raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
                 await self.refresh()

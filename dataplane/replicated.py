@@ -22,6 +22,9 @@ map is learnt again, with backoff for up to ``dataplane.cluster.RETRY_S``: the
 same call is sent again, and a script that had landed recognises the repeat
 (``dataplane.scripts``), so a caller never sees an error for a write that may
 have landed while a retry could still tell.
+
+A node at its ``maxmemory`` refuses a script's first write and the script writes
+nothing: that is raised at once as ``RedisFullError`` (``dataplane.full``), not retried.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S
+from dataplane.full import full_error, refused_for_memory
 from dataplane.metrics import UNREPLICATED_WRITES
 
 REPLICA_CHECK_S = 1.0
@@ -70,6 +74,10 @@ class ReplicatedRunner:
             except RETRIED:
                 if time.monotonic() + delay > deadline:
                     raise
+            except ResponseError as exc:
+                if refused_for_memory(exc):
+                    raise full_error(exc) from exc
+                raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
             await self.cluster.refresh()

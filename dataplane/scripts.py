@@ -430,13 +430,42 @@ redis.call('HSET', KEYS[1], KEYS[9], holder_bell(KEYS[9], ARGV[3]), stage .. ':o
 return {'ok', inc, ep, tu, rs, failover, applied, read_id, oseq, m[6] or ''}
 """
 
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+"""The first line of a script safe to run while Redis is full (at ``maxmemory``,
+``noeviction``): Redis then lets its writes through instead of refusing them
+(``dataplane.full``). Only for a script whose writes take no more memory. It must be the
+script's very first line (``RedisBus`` puts the prelude after it). On a cluster Redis
+then also refuses a script that touches keys of more than one slot, declared or not:
+each script that starts with it touches only KEYS[1]."""
+
 # KEYS: lease     ARGV: token ttl_ms
-RENEW = r"""
+# Runs on a full Redis (``ALLOW_OOM``): a lease must not lapse, and its session fail over,
+# because Redis is full. Safe: its one write, PEXPIRE, moves the TTL of a key that has
+# one already (a lease is always set with PX), which takes no more memory.
+RENEW = r"""#!lua flags=allow-oom
 if holds(redis.call('GET', KEYS[1]), ARGV[1]) then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 return 0
+"""
+
+# KEYS: a sorted set     ARGV: (score member)*
+# Moves the members already in the set to their new scores; replies with the members
+# that are not there (``RedisBus.rescore`` adds them with a plain ZADD). Runs on a full
+# Redis (``ALLOW_OOM``), so a worker's heartbeat and its leases' expiries in the lease index
+# stay current. Safe: ZADD XX of a member present replaces its score in place, which
+# takes no more memory; a missing member is never added here.
+RESCORE = r"""#!lua flags=allow-oom
+local missing = {}
+for i = 1, #ARGV, 2 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i + 1]) then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[i], ARGV[i + 1])
+  else
+    missing[#missing + 1] = ARGV[i + 1]
+  end
+end
+return missing
 """
 
 # KEYS: lease meta stage_bell     ARGV: token
@@ -629,7 +658,11 @@ return {'ok'}
 # KEYS: meta    ARGV: attachment until_ms
 # Renew a live connection's attachment; 'replaced' when another connection took
 # the session over (the caller then closes its connection).
-HOLD = r"""
+# Runs on a full Redis (``ALLOW_OOM``): a live client's attachment must not lapse (the
+# control plane would close its session as abandoned). Safe: it writes only when the
+# connection holds the session, and then replaces att_until, which ATTACH set with the
+# same connection, by a number as long: no more memory.
+HOLD = r"""#!lua flags=allow-oom
 local m = redis.call('HMGET', KEYS[1], 'status', 'att')
 if m[1] ~= 'open' then return 'closed' end
 if m[2] ~= ARGV[1] then return 'replaced' end
@@ -639,8 +672,10 @@ return 'ok'
 
 # KEYS: meta    ARGV: attachment now_ms
 # The connection went away: the resume grace period starts now (if it was still
-# the session's connection).
-DETACH = r"""
+# the session's connection). Runs on a full Redis (``ALLOW_OOM``), so the grace starts
+# when the client left. Safe: it writes only when the connection holds the session, and
+# then replaces att (by '') and att_until (by a number as long): no more memory.
+DETACH = r"""#!lua flags=allow-oom
 if redis.call('HGET', KEYS[1], 'att') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'att', '', 'att_until', ARGV[2])
 return 1

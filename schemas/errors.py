@@ -16,6 +16,8 @@ Hierarchy::
     ├── InputBackpressureError        input_backpressure (retryable): too much pending input
     ├── RateLimitedError              rate_limited (retryable): a connection sent events
     │                                 faster than its rate
+    ├── RedisFullError                redis_full (retryable): Redis is at maxmemory and
+    │                                 refused a write (``dataplane.full``)
     ├── InvalidInputError             a client or wire input that failed validation
     │   ├── UnsupportedModeError      unsupported_mode (also a ValueError, "not supported")
     │   ├── WireDecodeError           invalid_wire_event: bytes from Redis that do not decode
@@ -75,6 +77,10 @@ class ErrorCode(StrEnum):
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
     """``response.cancel`` while no response is reserved or streaming (as the reference
     API answers it); ``barge_in`` is never refused."""
+    REDIS_FULL = "redis_full"
+    """Redis is at its ``maxmemory`` (``noeviction``) and refused the write an event needed:
+    the event was not taken; the connection and the session go on, and the same event
+    succeeds once Redis has room (``tests/test_redis_full.py``)."""
 
 
 class DuplexqError(Exception):
@@ -135,6 +141,14 @@ class SessionLimitError(ResourceExhaustedError):
 
 class RateLimitedError(DuplexqError):
     code = ErrorCode.RATE_LIMITED
+    retryable = True
+
+
+class RedisFullError(DuplexqError):
+    """Redis refused a write for memory (``OOM command not allowed``): nothing of the
+    call was written, and the same call may succeed once Redis has room."""
+
+    code = ErrorCode.REDIS_FULL
     retryable = True
 
 

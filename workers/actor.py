@@ -27,6 +27,11 @@ one atomic step, which is what makes application
 exactly-once: a crash before that step re-delivers the events, after it they
 are skipped by ``seq``.
 
+A publish a full Redis refuses (``dataplane.full``) wrote nothing: the actor makes it
+again with backoff for as long as its lease holds (renewals run on a full Redis), so
+nothing is failed, dropped or skipped, and the session goes on once Redis has room
+(``tests/test_redis_full.py``).
+
 Flush drafts (a streaming answer's tokens) are published ahead of the cursor,
 coalesced (``workers.coalesce``): an answer's first one at once, later ones
 together at most once per window or per ``cap`` drafts, and any still held when
@@ -48,6 +53,7 @@ from enum import Enum, auto
 import msgspec
 
 from dataplane.bus import Entry
+from dataplane.full import until_room
 from dataplane.logs import session_extra
 from dataplane.metrics import (
     BARGE_IN_REACTION,
@@ -475,9 +481,9 @@ class SessionActor:
             failpoint("before_publish", groups[0][1][0].source_seq, groups[-1][1][-1].source_seq)
         for _ in range(PUBLISH_ATTEMPTS):
             last = groups[-1][1][-1].seq if groups else 0
-            result = await self.ownership.publish(
-                self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=last
-            )
+            result = await self._publish_once(groups, applied, last)
+            if result is None:
+                return  # stopped while Redis was full: nothing of it was published
             if result.status not in (PublishStatus.STALE, PublishStatus.AHEAD):
                 break
             groups = await self._repair(groups, result)
@@ -486,9 +492,9 @@ class SessionActor:
             log.error("publish refused %d times; dropping", PUBLISH_ATTEMPTS, extra=self._extra())
             await self.count_drop("contention", sum(len(events) for _, events in groups))
             groups = []
-            result = await self.ownership.publish(
-                self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=0
-            )
+            result = await self._publish_once(groups, applied, 0)
+            if result is None:
+                return
         if result.status is PublishStatus.OK:
             self._publishes.inc()
             self._events_out.inc(sum(len(events) for _, events in groups))
@@ -500,6 +506,22 @@ class SessionActor:
             self.end(ActorState.LOST)
         elif result.status is PublishStatus.CLOSED:
             self.end(ActorState.CLOSED)
+
+    async def _publish_once(
+        self, groups: list[OutputGroup], applied: int, out_seq: int
+    ) -> PublishResult | None:
+        """One publish, made again while a full Redis refuses it; None if the actor stopped
+        meanwhile (lease lost, session closed, handed back): what it would have
+        published is left to whoever serves the session next, as for a stop mid-event."""
+        return await until_room(
+            lambda: self.ownership.publish(
+                self.lease, groups, applied_seq=applied, read_id=self.read_id, out_seq=out_seq
+            ),
+            what="a publish",
+            log=log,
+            wanted=lambda: self.active,
+            extra=self._extra(),
+        )
 
     async def _repair(self, groups: list[OutputGroup], result: PublishResult) -> list[OutputGroup]:
         """The groups to publish after ``result`` refused one: that group restamped to the

@@ -10,17 +10,21 @@ not regressed; a stopped-then-resumed worker whose lease moved is refused.
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
+from schemas.errors import RedisFullError
 from schemas.events import OutputEvent, encode_event
 from schemas.fence import Fence
 from schemas.keys import CLIENT, PerSession
+
+log = logging.getLogger("duplexq.worker")
 
 
 class Lease(NamedTuple):
@@ -121,9 +125,7 @@ class StageOwnership:
             out_seq=int(reply[8]),
             config=_text(reply[9]) if len(reply) > 9 else "",
         )
-        await self.bus.client.zadd(
-            self.bus.keys.lease_index(self.stage), {session_id: now_ms + self.ttl_ms}
-        )
+        await self._index({session_id: now_ms + self.ttl_ms})
         return status, lease
 
     async def renew(self, leases: Sequence[Lease], now_ms: int) -> list[bool]:
@@ -148,8 +150,19 @@ class StageOwnership:
             if ok
         }
         if expiry:
-            await self.bus.client.zadd(self.bus.keys.lease_index(self.stage), expiry)
+            await self._index(expiry)
         return renewed
+
+    async def _index(self, expiry: Mapping[str, int]) -> None:
+        """Record leases' expiries (session id -> ms) in the stage's lease index, which
+        the orphan scans read. A full Redis still moves the sessions already in it; one
+        not in it yet (taken just as Redis filled up) is added by a renewal once Redis
+        has room, and until then its lease is renewed all the same."""
+        try:
+            await self.bus.rescore(self.bus.keys.lease_index(self.stage), expiry)
+        except RedisFullError:
+            log.warning("Redis is full: sessions new to the lease index of %s join it once "
+                        "Redis has room", self.stage)  # fmt: skip
 
     async def release(self, lease: Lease, *, hand_back: bool) -> None:
         """Give the lease up; with ``hand_back`` the session is queued for another worker."""
@@ -229,7 +242,13 @@ class StageOwnership:
 
     async def note_drop(self, reason: str, count: int) -> None:
         """Count dropped outputs in the shared metrics hash (all processes add up)."""
-        await self.bus.hincrby(self.bus.keys.metrics, f"dropped:{self.stage}:{reason}", count)
+        try:
+            await self.bus.hincrby(self.bus.keys.metrics, f"dropped:{self.stage}:{reason}", count)
+        except RedisFullError:
+            # The hash mirrors the process's own counter, which has counted them: a full
+            # Redis may cost the mirror a count, never the session its progress.
+            log.warning("Redis is full: %d drops (%s) are not in the shared metrics", count,
+                        reason)  # fmt: skip
 
 
 def _text(value: object) -> str:

@@ -9,7 +9,10 @@ task group:
 - orphans: with spare capacity, looks for leases that expired (a worker died)
   and takes those sessions over, which bumps their incarnation;
 - heartbeat: renews every lease it holds; a lease it cannot renew was lost,
-  and that session's actor stops at once;
+  and that session's actor stops at once. Renewals run on a full Redis too
+  (``dataplane.scripts.ALLOW_OOM``), and a take, a publish or a backend's cancel or
+  turn end that a full Redis refuses is made again once it has room
+  (``dataplane.full``): a full Redis pauses sessions, it fails none over;
 - bells: blocks on the stage's bells (``dataplane.bells``) and marks the
   sessions that rang, for the two loops below;
 - control: reads the control streams of the marked sessions and applies
@@ -42,6 +45,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from enum import Enum, auto
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 
@@ -49,12 +53,13 @@ from dataplane import heap
 from dataplane.authority import SessionAuthority
 from dataplane.bells import BellReader, Dirty
 from dataplane.bus import Entry, RedisBus
+from dataplane.full import until_room
 from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from dataplane.pacing import Pacer
 from dataplane.readiness import StageModel, announce, withdraw
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
-from schemas.errors import DuplexqError, ErrorCode, WireDecodeError
+from schemas.errors import DuplexqError, ErrorCode, RedisFullError, WireDecodeError
 from schemas.events import SettingsPayload, decode_control
 from schemas.fence import Fence
 from schemas.keys import ASSIGN_GROUP, Keys, worker_bell
@@ -68,6 +73,7 @@ from workers.rebuild import load_takeover
 log = logging.getLogger("duplexq.worker")
 
 RoundFn = Callable[[], Awaitable[None]]
+T = TypeVar("T")
 
 TAKE_CONCURRENCY = 32
 """Sessions a worker takes at once from one assignment read."""
@@ -148,8 +154,16 @@ class Worker:
 
     async def run(self) -> None:
         """Load the stage's model, then serve until stopped (or, in burst mode, until
-        nothing is left to do)."""
-        await self.bus.ensure_group(self.keys.assign(self.stage), ASSIGN_GROUP)
+        nothing is left to do). A worker started while Redis is full waits for room to
+        create its group and record its model (both are writes)."""
+
+        def starting() -> bool:
+            return self.state is WorkerState.STARTING
+
+        await until_room(
+            lambda: self.bus.ensure_group(self.keys.assign(self.stage), ASSIGN_GROUP),
+            what="creating the assignment group", log=log, wanted=starting,
+        )  # fmt: skip
         try:
             try:
                 model = await load_until_stopped(self.backend, self._stopping)
@@ -160,7 +174,12 @@ class Worker:
             if model is None or self.state is not WorkerState.STARTING:
                 return  # stopped while loading
             # Recorded before the first heartbeat: a live worker is a loaded one.
-            await announce(self.bus, self.stage, self.worker_id, model)
+            await until_room(
+                lambda: announce(self.bus, self.stage, self.worker_id, model),
+                what="recording the worker's model", log=log, wanted=starting,
+            )  # fmt: skip
+            if not starting():
+                return  # stopped while Redis was full
             self.model = model
             if self.settle_heap:
                 heap.settle()  # the model and everything loaded with it are long-lived
@@ -193,6 +212,9 @@ class Worker:
         while self.state is WorkerState.RUNNING:
             try:
                 await round_fn()
+            except RedisFullError as exc:  # expected while Redis is full: no traceback
+                log.warning("worker %s: %s round: %s", self.worker_id, round_fn.__name__, exc)
+                await self._pause(200)
             except Exception:
                 log.exception("worker %s: %s round failed; retrying", self.worker_id, round_fn)
                 await self._pause(200)
@@ -262,7 +284,15 @@ class Worker:
     async def _take(self, session_id: str) -> None:
         if session_id in self.actors or self.state is not WorkerState.RUNNING:
             return
-        status, lease = await self.ownership.acquire(session_id, now_ms())
+        taken = await until_room(
+            lambda: self.ownership.acquire(session_id, now_ms()),
+            what=f"taking session {session_id}",
+            log=log,
+            wanted=lambda: self.state is WorkerState.RUNNING,
+        )
+        if taken is None:
+            return  # stopping: a session not taken is another worker's to take
+        status, lease = taken
         if status is AcquireStatus.CLOSED:
             await self.bus.client.zrem(self.keys.lease_index(self.stage), session_id)
             return
@@ -273,7 +303,10 @@ class Worker:
             return
         if lease.failover:
             FAILOVERS.labels(stage=self.stage).inc()
-            await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
+            # The shared hash mirrors the counter above: a full Redis may cost it a count,
+            # never the take its session.
+            with contextlib.suppress(RedisFullError):
+                await self.bus.hincrby(self.keys.metrics, f"failovers:{self.stage}")
             log.info(
                 "took over the session", extra=session_extra(
                     session_id, lease.fence, stage=self.stage, worker=self.worker_id
@@ -335,20 +368,34 @@ class Worker:
         return sk.input if source == SESSION_INPUT else sk.stage_out(source)
 
     async def _interrupt(self, ctx: StageContext, reason: str) -> Fence:
-        """A backend barges in: the same epoch bump a client cancel makes."""
-        result = await self.authority.cancel(
-            ctx.session_id, expect_epoch=ctx.fence.epoch, reason=reason
+        """A backend barges in: the same epoch bump a client cancel makes (once a full
+        Redis has room; ``expect_epoch`` keeps a late one from cancelling a later
+        response)."""
+        epoch = ctx.fence.epoch
+        result = await self._when_room(
+            lambda: self.authority.cancel(ctx.session_id, expect_epoch=epoch, reason=reason),
+            "a barge-in",
         )
         if result.fence.epoch > ctx.fence.epoch:
             ctx.fence = ctx.fence.replace(epoch=result.fence.epoch)
         return result.fence
 
     async def _end_turn(self, ctx: StageContext) -> Fence:
-        """A backend ended the user's turn: the reservation a client commit makes."""
-        fence = await self.authority.reserve_response(ctx.session_id)
+        """A backend ended the user's turn: the reservation a client commit makes (once a
+        full Redis has room)."""
+        fence = await self._when_room(
+            lambda: self.authority.reserve_response(ctx.session_id), "a turn's end"
+        )
         if (fence.incarnation, fence.epoch) == (ctx.fence.incarnation, ctx.fence.epoch):
             ctx.fence = ctx.fence.replace(turn_id=fence.turn_id, response_seq=fence.response_seq)
         return fence
+
+    async def _when_room(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """``call()`` for a backend, made again while a full Redis refuses it; the backend's
+        work being cancelled (its session stopped) ends the wait."""
+        result = await until_room(call, what=what, log=log)
+        assert result is not None  # waits for as long as it takes: never given up
+        return result
 
     # -- serving -----------------------------------------------------------------
 
@@ -420,7 +467,13 @@ class Worker:
 
     async def _heartbeat_round(self) -> None:
         now = now_ms()
-        await self.bus.client.zadd(self.keys.workers(self.stage), {self.worker_id: now})
+        try:
+            await self.bus.rescore(self.keys.workers(self.stage), {self.worker_id: now})
+        except RedisFullError:
+            # Only a worker not in the set yet is refused (a full Redis still moves an
+            # entry): it counts as live once Redis has room; its leases are renewed now.
+            log.warning("Redis is full: worker %s cannot join the live workers yet",
+                        self.worker_id)  # fmt: skip
         pending = [actor.pending(now) for actor in self.actors.values()]
         STAGE_PENDING.labels(stage=self.stage).set(sum(n for n, _ in pending))
         STAGE_LAG.labels(stage=self.stage).set(max((lag for _, lag in pending), default=0.0))
