@@ -15,7 +15,8 @@ Per client:
   ``stall_s`` (it may have arrived in the end; a lost one counts as lost).
 
 Recovery of a fault: for every client that was waiting for an owed answer when
-the fault struck, the time until its next block, or, when the client stalled
+the fault struck (or began to within a second), the time until its next block,
+or, when the client stalled
 (a second or more without progress on an owed answer) beginning within a second
 after the fault, until the stall ended (a block already on its way must not
 hide the stall that follows it); the fault's recovery is the longest of those.
@@ -212,10 +213,11 @@ def _client_recovery(
 ) -> float | None:
     """How long after ``fault`` one client was served again (None: it owed nothing)."""
     delay: float | None = None
-    waiting = any(a <= fault.t < b for a, b in gaps)
-    after = bisect.bisect_right(blocks, fault.t)
-    if waiting and after < len(blocks):
-        delay = blocks[after] - fault.t
+    owed = [a for a, b in gaps if b > fault.t and a <= fault.t + AFTERMATH_S]
+    if owed:  # waiting when the fault struck, or soon after: its next block
+        after = bisect.bisect_right(blocks, max(fault.t, owed[0]))
+        if after < len(blocks):
+            delay = blocks[after] - fault.t
     for a, b in gaps:
         if fault.t <= a <= fault.t + AFTERMATH_S and b - a >= STALL_S:
             delay = max(delay or 0.0, b - fault.t)
@@ -225,10 +227,11 @@ def _client_recovery(
 def _recovery(histories: Sequence[History], faults: list[Fault]) -> dict[str, list[float]]:
     """Each fault's recovery: the longest, over the clients, of the time from the fault
     until a client owed an answer was served again. That is its next block when the
-    fault caught it waiting; and when a stall (``STALL_S`` or more without progress)
-    began within ``AFTERMATH_S`` of the fault (blocks already on their way arrive
-    first, then nothing: the fault's effect), until that stall ended. A fault aimed
-    at one client (``client-N``) is judged on that client alone."""
+    fault caught it waiting (or it began waiting within ``AFTERMATH_S``); and when a
+    stall (``STALL_S`` or more without progress) began within ``AFTERMATH_S`` of the
+    fault (blocks already on their way arrive first, then nothing: the fault's
+    effect), until that stall ended. A fault aimed at one client (``client-N``) is
+    judged on that client alone."""
     blocks = {h.client: [op.t for op in h.ops if op.kind == "block"] for h in histories}
     gaps = {h.client: _gaps(h, blocks[h.client]) for h in histories}
     recovery: dict[str, list[float]] = {}

@@ -108,3 +108,10 @@ def test_a_fault_aimed_at_one_client_is_judged_on_that_client():
     stalled = history(Op("send", 0, B), Op("ack", 0.1, B), *answered(B, 8.0), client=1)
     verdict = check([quick, stalled], [Fault(1.0, "drop_socket", "client-0")])
     assert [round(t, 3) for t in verdict.recovery["drop_socket"]] == [0.1]
+
+
+def test_a_client_idle_when_its_socket_dropped_recovers_with_its_next_answer():
+    ops = [Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2), Op("drop", 1.0)]
+    ops += [Op("send", 1.05, B), Op("resume", 1.2), Op("ack", 1.25, B), *answered(B, 1.3)]
+    verdict = check([history(*ops)], [Fault(1.0, "drop_socket", "client-0")])
+    assert [round(t, 3) for t in verdict.recovery["drop_socket"]] == [0.3]
