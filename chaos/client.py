@@ -115,6 +115,11 @@ class ChaosClient:
         self._result_socket: ClientConnection | None = None
         self._result_acked = False
 
+    @property
+    def coordinator(self) -> str:
+        """The ws:// base of the coordinator the client's socket is connected to."""
+        return self._base
+
     # -- recording -------------------------------------------------------------------
 
     def _now(self) -> float:

@@ -231,6 +231,10 @@ class Cluster:
 
     # -- what the nemesis and the clients see ---------------------------------------
 
+    def endpoints_by_name(self) -> dict[str, str]:
+        """Each coordinator's ws:// base."""
+        return {name: f"ws://127.0.0.1:{port}" for name, port in self.ports.items()}
+
     def endpoints(self) -> list[str]:
         """ws:// bases of the coordinators that are running."""
         return [
