@@ -85,22 +85,30 @@ class Nemesis:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Strike until ``stop``: every class once per round, in a shuffled order, so
-        even a short run meets each of them."""
+        even a short run meets each of them. A class that finds nothing to strike (both
+        coordinators needed, say, while one is down) is tried once more at the round's end."""
         round_: list[str] = []
+        retried: set[str] = set()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.rng.uniform(*self.every_s))
             except TimeoutError:
                 if not round_:
                     round_ = self.rng.sample(self.faults, len(self.faults))
-                await self.strike(round_.pop())
+                    retried.clear()
+                kind = round_.pop()
+                if not await self.strike(kind) and kind not in retried:
+                    retried.add(kind)
+                    round_.insert(0, kind)
         await asyncio.gather(*self._healing)
 
-    async def strike(self, kind: str) -> None:
+    async def strike(self, kind: str) -> bool:
+        """Strike one fault of class ``kind``; False when there was nothing to strike."""
         at = self._now()
         target = await getattr(self, f"_{kind}")()
         if target is not None:
             self.log.append(Fault(at, kind, target))
+        return target is not None
 
     def _later(self, delay_s: float, heal: Callable[[], object]) -> None:
         """Run ``heal`` (blocking: in a thread) ``delay_s`` from now."""
@@ -203,6 +211,8 @@ class Nemesis:
 
     async def _redis_oom(self) -> str | None:
         redis = self.cluster.redis
+        if redis.filled:
+            return None  # one at a time: each restores the limit it lowered
         index, target = await asyncio.to_thread(redis.fill, self.rng)
         unfill = self._note("redis_oom", lambda: redis.unfill(index))
         self._later(self.rng.uniform(2.0, 5.0), unfill)

@@ -216,6 +216,11 @@ class RedisNodes:
         self._filled.setdefault(index, self._oom_errors(port))
         return index, self.name(index)
 
+    @property
+    def filled(self) -> bool:
+        """Whether a node is at its memory limit now (``fill`` without ``unfill``)."""
+        return bool(self._filled)
+
     def unfill(self, index: int) -> str:
         """``maxmemory`` back to its setting (none); returns how many commands Redis
         refused for memory while it was filled."""
