@@ -1,12 +1,14 @@
 """The nemesis suite's CI run: every fault class, and nothing lost, stale or wedged.
 
-``python -m chaos --ci`` (seeded, about two minutes) starts a real Redis with
-the shipped persistence (one server; then, with ``--redis-cluster``, a Redis
-Cluster of 3 primaries with replicas, whose primaries the nemesis kills), two
-coordinators, the control plane and two workers on each of two chained
-stages, drives twenty WebSocket clients through them
-while the nemesis kills, pauses and restarts processes and drops sockets, and
-checks the clients' histories (see ``chaos``). This test runs it as a user
+``python -m chaos --ci`` (seeded, about 85 s) starts a real Redis with the
+shipped persistence (one server; then, with ``--redis-cluster``, a Redis
+Cluster of 3 primaries with replicas, whose nodes the nemesis kills and
+restarts), two coordinators, the control plane and two workers on each of two
+chained stages, drives twenty WebSocket clients through them while the
+nemesis kills, pauses and restarts processes, cuts them off from Redis or
+slows their Redis, fills Redis's memory and drops sockets, and checks the
+clients' histories (see ``chaos``, and docs/nemesis.md for what each class
+does). This test runs it as a user
 would and asserts on its report. The routes through which the processes reach
 Redis (``chaos.proxy``), which the nemesis cuts and slows, are tested here on
 their own too.
