@@ -21,13 +21,14 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from chaos.checker import COUNTS, Verdict, check, summarize
 from chaos.client import ChaosClient, ClientConfig
 from chaos.cluster import Cluster
-from chaos.nemesis import FAULTS, Nemesis
+from chaos.nemesis import Nemesis, faults_for
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, StageConfig
 from schemas.keys import Keys
@@ -60,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--coordinators", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3, help="workers per stage")
-    parser.add_argument("--faults", default=",".join(FAULTS), help="fault classes, comma-separated")
+    parser.add_argument("--faults", help="fault classes, comma-separated (default: every "
+                        "class the kind of Redis has: " + ", ".join(faults_for(True)) + "; "
+                        "restart_primary and promote_replica need --redis-cluster)")  # fmt: skip
     parser.add_argument("--stall-s", type=float, default=20.0)
     parser.add_argument(
         "--every", default="2.5,5", help="seconds between faults: low,high (uniform)"
@@ -78,9 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.seed = chosen_seed
     if args.seed is None:
         args.seed = 1
-    unknown = set(args.faults.split(",")) - set(FAULTS)
+    known = faults_for(args.redis_cluster)
+    args.faults = args.faults or ",".join(known)
+    unknown = set(args.faults.split(",")) - set(known)
     if unknown:
-        parser.error(f"unknown fault classes {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        parser.error(f"unknown fault classes {sorted(unknown)} for this Redis; known: "
+                     f"{', '.join(known)}")  # fmt: skip
     return args
 
 
@@ -127,7 +133,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         await asyncio.to_thread(cluster.stop)
     verdict = check([c.history for c in clients], nemesis.log, stall_s=args.stall_s)
+    write_histories(workdir / "histories.jsonl", clients)
     return report(args, verdict, clients, nemesis, elapsed)
+
+
+def write_histories(path: Path, clients: list[ChaosClient]) -> None:
+    """Every client's history, one operation a line (for finding what a count means)."""
+    with path.open("w") as out:
+        for client in clients:
+            for op in client.history.ops:
+                row = {"client": client.index, "t": round(op.t, 4), "kind": op.kind,
+                       "attempt": list(op.attempt) if op.attempt else None, "block": op.block,
+                       "epoch": op.epoch, "detail": op.detail}  # fmt: skip
+                out.write(json.dumps(row) + "\n")
 
 
 def report(
@@ -149,8 +167,13 @@ def report(
         "redis": "cluster" if args.redis_cluster else "single",
         "totals": dict(verdict.totals),
         "recovery": verdict.recovery_summary(),
-        "faults": {kind: sum(f.kind == kind for f in nemesis.log) for kind in FAULTS},
+        "faults": {
+            kind: sum(f.kind == kind for f in nemesis.log) for kind in args.faults.split(",")
+        },
         "operations": dict(ops),
+        "errors": dict(
+            Counter(op.detail for c in clients for op in c.history.ops if op.kind == "error")
+        ),
         "per_client": [
             {
                 "client": r.client,
@@ -163,6 +186,7 @@ def report(
         "fault_log": [
             {"t": round(f.t, 3), "kind": f.kind, "target": f.target} for f in nemesis.log
         ],
+        "notes": nemesis.notes,
     }
 
 
@@ -184,14 +208,20 @@ def markdown(result: dict[str, Any]) -> str:
         rec = result["recovery"].get(kind, {})
         lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} |")
     ops = result["operations"]
+    notes = [f"- {note}" for note in result.get("notes", [])]
+    lines += ["", "notes:", *notes] if notes else []
     lines += [
         "",
         f"inputs sent {ops.get('send', 0)}, acknowledged {ops.get('ack', 0)}, answer blocks "
         f"{ops.get('block', 0)}, cancels {ops.get('cancel_sent', 0)} (refused as too late "
         f"{ops.get('cancel_refused', 0)}), sockets dropped "
-        f"{ops.get('drop', 0)}, resumes {ops.get('resume', 0)}, errors {ops.get('error', 0)}, "
+        f"{ops.get('drop', 0)}, given up as silent {ops.get('silent', 0)}, resumes "
+        f"{ops.get('resume', 0)}, errors {ops.get('error', 0)}, "
         f"function calls {ops.get('call', 0)} (results sent {ops.get('result_sent', 0)})",
     ]
+    if result.get("errors"):
+        codes = ", ".join(f"{code} {n}" for code, n in result["errors"].items())
+        lines.append(f"errors by code: {codes}")
     return "\n".join(lines) + "\n"
 
 

@@ -15,12 +15,17 @@ Per client:
   ``stall_s`` (it may have arrived in the end; a lost one counts as lost).
 
 Recovery of a fault: for every client that was waiting for an owed answer when
-the fault struck, the time until its next block; the fault's recovery is the
-longest of those. Reported per fault class (median and max).
+the fault struck (or began to within a second), the time until its next block,
+or, when the client stalled
+(a second or more without progress on an owed answer) beginning within a second
+after the fault, until the stall ended (a block already on its way must not
+hide the stall that follows it); the fault's recovery is the longest of those.
+Reported per fault class (median and max).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from collections import Counter
@@ -185,21 +190,58 @@ def _owed_intervals(history: History) -> list[tuple[float, float | None]]:
     return spans
 
 
+STALL_S = 1.0
+"""A wait without progress at least this long is a stall (see ``_recovery``)."""
+AFTERMATH_S = 1.0
+"""A stall that begins this soon after a fault is the fault's."""
+
+
+def _gaps(history: History, blocks: list[float]) -> list[tuple[float, float]]:
+    """(from, until) of every wait between two steps of progress on an owed answer:
+    its send, each block, its end (an open wait ends with the history)."""
+    last = history.ops[-1].t if history.ops else 0.0
+    gaps: list[tuple[float, float]] = []
+    for start, end in _owed_intervals(history):
+        until = last if end is None else end
+        inside = blocks[bisect.bisect_right(blocks, start) : bisect.bisect_right(blocks, until)]
+        gaps += itertools.pairwise([start, *inside, until])
+    return gaps
+
+
+def _client_recovery(
+    fault: Fault, blocks: list[float], gaps: list[tuple[float, float]]
+) -> float | None:
+    """How long after ``fault`` one client was served again (None: it owed nothing)."""
+    delay: float | None = None
+    owed = [a for a, b in gaps if b > fault.t and a <= fault.t + AFTERMATH_S]
+    if owed:  # waiting when the fault struck, or soon after: its next block
+        after = bisect.bisect_right(blocks, max(fault.t, owed[0]))
+        if after < len(blocks):
+            delay = blocks[after] - fault.t
+    for a, b in gaps:
+        if fault.t <= a <= fault.t + AFTERMATH_S and b - a >= STALL_S:
+            delay = max(delay or 0.0, b - fault.t)
+    return delay
+
+
 def _recovery(histories: Sequence[History], faults: list[Fault]) -> dict[str, list[float]]:
+    """Each fault's recovery: the longest, over the clients, of the time from the fault
+    until a client owed an answer was served again. That is its next block when the
+    fault caught it waiting (or it began waiting within ``AFTERMATH_S``); and when a
+    stall (``STALL_S`` or more without progress) began within ``AFTERMATH_S`` of the
+    fault (blocks already on their way arrive first, then nothing: the fault's
+    effect), until that stall ended. A fault aimed at one client (``client-N``) is
+    judged on that client alone."""
     blocks = {h.client: [op.t for op in h.ops if op.kind == "block"] for h in histories}
-    spans = {h.client: _owed_intervals(h) for h in histories}
+    gaps = {h.client: _gaps(h, blocks[h.client]) for h in histories}
     recovery: dict[str, list[float]] = {}
     for fault in faults:
-        delays: list[float] = []
-        for client, intervals in spans.items():
-            waiting = any(a <= fault.t and (b is None or b > fault.t) for a, b in intervals)
-            if not waiting:
-                continue
-            after = [t for t in blocks[client] if t > fault.t]
-            if after:
-                delays.append(after[0] - fault.t)
-        if delays:
-            recovery.setdefault(fault.kind, []).append(max(delays))
+        aimed = fault.target.removeprefix("client-")
+        clients = [int(aimed)] if aimed.isdigit() and int(aimed) in gaps else list(gaps)
+        delays = [_client_recovery(fault, blocks[c], gaps[c]) for c in clients]
+        found = [d for d in delays if d is not None]
+        if found:
+            recovery.setdefault(fault.kind, []).append(max(found))
     return recovery
 
 

@@ -10,7 +10,12 @@ it cancels (``response.cancel`` or ``duplexq.barge_in``) after 0..3 blocks or
 right at the answer's end, and then waits for the cancel's acknowledgement
 before going on. When its socket dies (a fault, or the nemesis
 dropping it on purpose) it resumes on any coordinator with its token and the
-last ``duplexq.seq`` it processed, and goes on; events are processed once
+last ``duplexq.seq`` it processed, and goes on. A socket that stays open but
+falls silent (its coordinator stopped) is noticed as a real client notices it:
+while an answer is owed, after ``silence_s`` without a word from the server
+the client pings it, and gives the socket up when neither a pong nor anything
+else comes within ``pong_within_s``, then resumes, on another coordinator
+first; events are processed once
 each, by ``duplexq.seq``, whichever socket brought them. It never guesses:
 an attempt the server did not acknowledge before the socket died is sent again
 as a new attempt.
@@ -46,6 +51,13 @@ class ClientConfig:
     """Longest pause between two inputs."""
     tool_rate: float = 0.25
     """Share of inputs answered through a function call the client runs."""
+    silence_s: float = 2.0
+    """While an answer is owed, how long the server may say nothing before it is
+    pinged."""
+    pong_within_s: float = 2.5
+    """How long a ping may go unanswered, with nothing else heard meanwhile, before the
+    socket is given up. With ``silence_s``, less than the shortest coordinator pause
+    (``attach_ttl_ms`` + 0.5 s): its clients resume before it wakes."""
 
 
 TOOL = {"type": "function", "name": "echo_back", "description": "Says the text back.",
@@ -81,6 +93,13 @@ class ChaosClient:
         self.acked = False
         self.blocks: set[int] = set()
         self._socket: ClientConnection | None = None
+        self._base = ""
+        """The coordinator the socket is connected to (its ws:// base)."""
+        self._silent = ""
+        """The coordinator whose socket fell silent last: tried last on a resume."""
+        self._heard = 0.0
+        """When the socket last brought anything (monotonic)."""
+        self._probe: asyncio.Task[None] | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._cancel_from = 0
         self._cancel_refused = False
@@ -95,6 +114,11 @@ class ChaosClient:
         """The call this client's last result answered, and the socket it went on."""
         self._result_socket: ClientConnection | None = None
         self._result_acked = False
+
+    @property
+    def coordinator(self) -> str:
+        """The ws:// base of the coordinator the client's socket is connected to."""
+        return self._base
 
     # -- recording -------------------------------------------------------------------
 
@@ -121,9 +145,10 @@ class ChaosClient:
             await self.close()
 
     async def close(self) -> None:
-        for task in list(self._readers):
+        tasks = [*self._readers, *([self._probe] if self._probe else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._readers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._socket is not None:
             with contextlib.suppress(Exception):
                 await self._socket.close()
@@ -175,9 +200,40 @@ class ChaosClient:
         return True  # gave up waiting: the checker sees what is missing
 
     async def _wait_change(self, deadline: float) -> None:
+        """Wait for something to happen (until ``deadline``); a socket silent for
+        ``silence_s`` meanwhile is pinged."""
         self._changed.clear()
+        probing = self._probe is not None and not self._probe.done()
+        wake = deadline if probing else min(deadline, self._heard + self.config.silence_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(self._changed.wait(), max(0.0, wake - time.monotonic()))
+        if not probing and time.monotonic() - self._heard >= self.config.silence_s:
+            self._probe = asyncio.create_task(self._ping())
+
+    async def _ping(self) -> None:
+        """Ping the socket; give it up (abort it, as a real client's keepalive does)
+        if no pong comes within ``pong_within_s``."""
+        socket = self._socket
+        if socket is None or self._lost_socket.is_set():
+            return
+        asked = time.monotonic()
+        try:
+            pong = await socket.ping()
+            await asyncio.wait_for(pong, self.config.pong_within_s)
+            self._heard = time.monotonic()
+        except TimeoutError:
+            # Events that came meanwhile prove the socket alive (a server reading no
+            # more of it while it waits on Redis answers no ping either).
+            if socket is self._socket and self._heard < asked:
+                silent_s = time.monotonic() - self._heard
+                self._record("silent", detail=f"{self._base} silent for {silent_s:.1f}s")
+                self._silent = self._base
+                socket.transport.abort()
+                self._lost_socket.set()
+        except (ConnectionError, websockets.WebSocketException):
+            pass  # the reader sees the socket die
+        finally:
+            self._changed.set()
 
     async def _cancel(self) -> None:
         self._cancel_from = self.cancel_epoch
@@ -190,13 +246,17 @@ class ChaosClient:
 
     async def _connect(self) -> ClientConnection:
         headers = {"Authorization": f"Bearer {self.config.api_key}"}
-        for base in self.rng.sample(list(self.endpoints()), len(self.endpoints())):
+        bases = self.rng.sample(list(self.endpoints()), len(self.endpoints()))
+        bases.sort(key=lambda base: base == self._silent)  # the one that fell silent last
+        for base in bases:
             try:
-                return await asyncio.wait_for(
+                socket = await asyncio.wait_for(
                     websockets.connect(f"{base}/v1/realtime", additional_headers=headers), 3
                 )
             except (OSError, TimeoutError, websockets.WebSocketException):
                 continue
+            self._base = base
+            return socket
         raise ConnectionError("no coordinator answered")
 
     async def _open(self) -> None:
@@ -212,6 +272,7 @@ class ChaosClient:
 
     def _adopt(self, socket: ClientConnection) -> None:
         self._socket = socket
+        self._heard = time.monotonic()
         self._lost_socket.clear()
         task = asyncio.create_task(self._read(socket))
         self._readers.add(task)
@@ -301,6 +362,7 @@ class ChaosClient:
             async for raw in socket:
                 if socket is not self._socket:
                     continue  # resumed elsewhere: a client reads only its new socket
+                self._heard = time.monotonic()
                 self._handle(json.loads(raw))
         except websockets.WebSocketException:
             pass

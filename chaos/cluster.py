@@ -6,7 +6,8 @@ plane, coordinators on their own ports and stage workers, all with
 the shipped settings but for the Redis URL, the key prefix and the API key.
 Each process can be killed with SIGKILL, stopped with SIGSTOP, continued and
 started again (Redis on its AOF, a coordinator on its port, a worker under a
-new id).
+new id). Each of them but Redis reaches the data plane's Redis through a route
+of its own (``chaos.proxy``), which the nemesis can cut or slow down.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos.proxy import Proxies, Route
 from chaos.redis_nodes import RedisNodes
 from schemas.config import PipelineConfig, Settings
 
@@ -153,6 +155,8 @@ class Cluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     settings: Settings = field(init=False)
+    proxies: Proxies | None = None
+    """Each process's route to the data plane's Redis (opened by ``start``)."""
     _spawned: int = 0
 
     def __post_init__(self) -> None:
@@ -175,12 +179,29 @@ class Cluster:
         return Proc(name, args, self.workdir / "logs" / f"{name}.log", dict(os.environ))
 
     def _proc(self, name: str, args: list[str]) -> Proc:
-        env = {**os.environ, **self.settings.to_env(), "PYTHONPATH": str(ROOT)}
+        settings = self.settings.model_copy(update={"redis_url": self._routed_url(name)})
+        env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
         return Proc(name, args, self.workdir / "logs" / f"{name}.log", env)
+
+    def _routed_url(self, name: str) -> str:
+        """The data plane's URL as process ``name`` sees it: through its own route."""
+        if self.proxies is None:
+            return self.settings.redis_url
+        route = self.proxies.route(name, self.redis.ports, rewrite=self.redis_cluster)
+        return self.redis.url_via(route.ports)
+
+    def routes(self) -> list[Route]:
+        return list(self.proxies.routes.values()) if self.proxies is not None else []
+
+    def route(self, name: str) -> Route:
+        """Process ``name``'s route to the data plane's Redis."""
+        assert self.proxies is not None, "the cluster is not started"
+        return self.proxies.routes[name]
 
     # -- starting ------------------------------------------------------------------
 
     def start(self) -> None:
+        self.proxies = Proxies()
         self.redis.start(wait_port)
         self._add("control", ["-m", "coordinator.cli", "control"])
         for i in range(self.coordinators):
@@ -210,6 +231,10 @@ class Cluster:
 
     # -- what the nemesis and the clients see ---------------------------------------
 
+    def endpoints_by_name(self) -> dict[str, str]:
+        """Each coordinator's ws:// base."""
+        return {name: f"ws://127.0.0.1:{port}" for name, port in self.ports.items()}
+
     def endpoints(self) -> list[str]:
         """ws:// bases of the coordinators that are running."""
         return [
@@ -226,6 +251,16 @@ class Cluster:
     def coordinator_names(self) -> list[str]:
         return list(self.ports)
 
+    def serving_coordinators(self) -> list[str]:
+        """Coordinators running and not stopped."""
+        return [n for n in self.ports if self.procs[n].alive and not self.procs[n].stopped]
+
+    def routed(self) -> list[str]:
+        """Processes running with a route of their own (not stopped)."""
+        names = self.proxies.routes if self.proxies is not None else {}
+        return [n for n in names if n in self.procs and self.procs[n].alive
+                and not self.procs[n].stopped]  # fmt: skip
+
     def restart(self, name: str) -> None:
         proc = self.procs[name]
         proc.kill()
@@ -239,4 +274,6 @@ class Cluster:
             proc.signal(signal.SIGTERM)
         for proc in self.procs.values():
             proc.terminate(15)
+        if self.proxies is not None:
+            self.proxies.stop()
         self.redis.stop()

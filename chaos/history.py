@@ -51,10 +51,11 @@ def parse_blocks(delta: str) -> tuple[list[Block], bool]:
 
 Kind = Literal[
     "send", "ack", "block", "cancel_sent", "cancelled", "cancel_refused", "drop", "resume",
-    "dead", "error", "garbled", "call", "result_sent",
+    "dead", "error", "garbled", "call", "result_sent", "silent",
 ]  # fmt: skip
 """``cancel_refused``: the server answered a ``response.cancel`` with
-``response_cancel_not_active`` (the answer had ended already). ``call``: the model
+``response_cancel_not_active`` (the answer had ended already). ``silent``: the
+client gave its socket up after a ping went unanswered. ``call``: the model
 called the client's function for an attempt (``detail``: the call's id);
 ``result_sent``: the client answered it."""
 

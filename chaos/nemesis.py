@@ -1,18 +1,36 @@
 """The nemesis: one fault every few seconds, chosen by a seeded random generator.
 
-Fault classes (``FAULTS``):
+Fault classes (``FAULTS``; ``faults_for`` gives those of one kind of Redis):
 
 - ``kill_worker``: SIGKILL a worker; a replacement starts a moment later;
 - ``pause_worker``: SIGSTOP a worker for longer than the lease TTL, then
   SIGCONT: it wakes as a zombie whose sessions moved on;
-- ``kill_redis``: SIGKILL Redis (on a cluster: a primary) and start it again on
-  its AOF;
-- ``kill_coordinator``: SIGKILL a coordinator and start it again (its clients'
-  sockets die; they resume on any coordinator);
+- ``cut_worker``: a worker cut off from Redis (its route stops forwarding,
+  its sockets stay open) for longer than the lease TTL, then reconnected: its
+  held requests reach Redis late, as a zombie's;
+- ``kill_coordinator``: SIGKILL the coordinator serving the most clients and
+  start it again (its clients' sockets die; they resume on any coordinator);
+- ``pause_coordinator``: SIGSTOP the coordinator serving the most clients for
+  longer than the attachment TTL, then SIGCONT: its clients' sockets do not
+  die, they fall silent; the clients notice and resume on the other one, and
+  the coordinator wakes as a zombie whose sessions are attached elsewhere;
 - ``drop_socket``: a client loses its socket, or (half-open) resumes on a new
-  socket while its old one still looks open.
+  socket while its old one still looks open;
+- ``slow_redis``: one process's round trips to Redis (a worker's, a
+  coordinator's or the control plane's) take 50 to 200 ms longer for a few
+  seconds;
+- ``redis_oom``: Redis (on a cluster: a primary) at its memory limit for a few
+  seconds: it refuses writes;
+- ``kill_redis``: SIGKILL Redis and start it again on its AOF; on a cluster,
+  SIGKILL a replica and start it again (it syncs again from its primary);
+- on a cluster only, ``restart_primary``: SIGKILL a primary and start it again
+  before the node timeout (no failover), and ``promote_replica``: SIGKILL a
+  primary, wait until its replica is promoted, start the old one again (it
+  rejoins as a replica).
 
-Every fault is recorded with the time it struck, for the recovery figures.
+Every fault is recorded with the time it struck (when the nemesis began it),
+for the recovery figures; what a fault turned out to do, where that is known
+only later (commands refused by a full Redis), goes to ``notes``.
 """
 
 from __future__ import annotations
@@ -20,13 +38,24 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from chaos.checker import Fault
 from chaos.client import ChaosClient
 from chaos.cluster import Cluster
 
-FAULTS = ("kill_worker", "pause_worker", "kill_redis", "kill_coordinator", "drop_socket")
+FAULTS = (
+    "kill_worker", "pause_worker", "cut_worker", "kill_coordinator", "pause_coordinator",
+    "drop_socket", "slow_redis", "redis_oom", "kill_redis", "restart_primary",
+    "promote_replica",
+)  # fmt: skip
+CLUSTER_ONLY = ("restart_primary", "promote_replica")
+"""Classes that need a Redis Cluster (a primary and its replica)."""
+
+
+def faults_for(redis_cluster: bool) -> tuple[str, ...]:
+    """The fault classes a run on one Redis (or on a cluster) strikes."""
+    return FAULTS if redis_cluster else tuple(f for f in FAULTS if f not in CLUSTER_ONLY)
 
 
 class Nemesis:
@@ -37,16 +66,18 @@ class Nemesis:
         rng: random.Random,
         started: float,
         *,
-        faults: Sequence[str] = FAULTS,
+        faults: Sequence[str] | None = None,
         every_s: tuple[float, float] = (2.5, 5.0),
     ) -> None:
         self.cluster = cluster
         self.clients = clients
         self.rng = rng
         self.started = started
-        self.faults = list(faults)
+        self.faults = list(faults or faults_for(cluster.redis_cluster))
         self.every_s = every_s
         self.log: list[Fault] = []
+        self.notes: list[str] = []
+        """What faults turned out to do, learnt after they struck."""
         self._healing: set[asyncio.Task[None]] = set()
 
     def _now(self) -> float:
@@ -54,30 +85,47 @@ class Nemesis:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Strike until ``stop``: every class once per round, in a shuffled order, so
-        even a short run meets each of them."""
+        even a short run meets each of them. A class that finds nothing to strike (both
+        coordinators needed, say, while one is down) is tried once more at the round's end."""
         round_: list[str] = []
+        retried: set[str] = set()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.rng.uniform(*self.every_s))
             except TimeoutError:
                 if not round_:
                     round_ = self.rng.sample(self.faults, len(self.faults))
-                await self.strike(round_.pop())
+                    retried.clear()
+                kind = round_.pop()
+                if not await self.strike(kind) and kind not in retried:
+                    retried.add(kind)
+                    round_.insert(0, kind)
         await asyncio.gather(*self._healing)
 
-    async def strike(self, kind: str) -> None:
+    async def strike(self, kind: str) -> bool:
+        """Strike one fault of class ``kind``; False when there was nothing to strike."""
+        at = self._now()
         target = await getattr(self, f"_{kind}")()
         if target is not None:
-            self.log.append(Fault(self._now(), kind, target))
+            self.log.append(Fault(at, kind, target))
+        return target is not None
 
-    def _later(self, delay_s: float, heal: object) -> None:
+    def _later(self, delay_s: float, heal: Callable[[], object]) -> None:
+        """Run ``heal`` (blocking: in a thread) ``delay_s`` from now."""
+
         async def run() -> None:
             await asyncio.sleep(delay_s)
-            await asyncio.to_thread(heal)  # type: ignore[arg-type]
+            await asyncio.to_thread(heal)
 
         task = asyncio.create_task(run())
         self._healing.add(task)
         task.add_done_callback(self._healing.discard)
+
+    def _note(self, kind: str, what: Callable[[], str]) -> Callable[[], None]:
+        """A heal that records what ``what`` reports."""
+        return lambda: self.notes.append(f"{self._now():.3f} {kind}: {what()}")
+
+    # -- workers ------------------------------------------------------------------------
 
     async def _kill_worker(self) -> str | None:
         workers = self.cluster.workers()
@@ -100,17 +148,47 @@ class Nemesis:
         self._later(ttl_s + self.rng.uniform(0.5, 2.0), proc.resume)
         return name
 
-    async def _kill_redis(self) -> str | None:
-        down_s = self.rng.uniform(0.2, 1.5)
-        return await asyncio.to_thread(self.cluster.redis.bounce, self.rng, down_s)
+    async def _cut_worker(self) -> str | None:
+        workers = [w for w in self.cluster.workers() if not self.cluster.route(w).is_cut]
+        if not workers:
+            return None
+        name = self.rng.choice(workers)
+        route = self.cluster.route(name)
+        route.cut()
+        ttl_s = self.cluster.settings.lease_ttl_ms / 1000
+        self._later(ttl_s + self.rng.uniform(0.5, 2.0), route.heal)
+        return name
+
+    # -- coordinators -------------------------------------------------------------------
+
+    def _busiest_coordinator(self) -> str | None:
+        """The serving coordinator with the most clients connected (clients move to the
+        other one after each coordinator fault: a random one may serve none), or None
+        when fewer than two serve (clients need somewhere to resume)."""
+        serving = self.cluster.serving_coordinators()
+        if len(serving) < 2:
+            return None
+        endpoints = self.cluster.endpoints_by_name()
+        load = {n: sum(c.coordinator == endpoints[n] for c in self.clients) for n in serving}
+        most = max(load.values())
+        return self.rng.choice([n for n in serving if load[n] == most])
 
     async def _kill_coordinator(self) -> str | None:
-        alive = [n for n in self.cluster.coordinator_names() if self.cluster.procs[n].alive]
-        if len(alive) < 2:
-            return None  # keep one serving: clients need somewhere to resume
-        name = self.rng.choice(alive)
+        name = self._busiest_coordinator()
+        if name is None:
+            return None
         await asyncio.to_thread(self.cluster.procs[name].kill)
         self._later(self.rng.uniform(0.5, 2.0), self.cluster.procs[name].start)
+        return name
+
+    async def _pause_coordinator(self) -> str | None:
+        name = self._busiest_coordinator()
+        if name is None:
+            return None
+        proc = self.cluster.procs[name]
+        proc.pause()
+        ttl_s = self.cluster.settings.attach_ttl_ms / 1000
+        self._later(ttl_s + self.rng.uniform(0.5, 2.0), proc.resume)
         return name
 
     async def _drop_socket(self) -> str | None:
@@ -118,10 +196,51 @@ class Nemesis:
         await client.drop(half_open=self.rng.random() < 0.5)
         return f"client-{client.index}"
 
+    # -- Redis --------------------------------------------------------------------------
+
+    async def _slow_redis(self) -> str | None:
+        routed = [n for n in self.cluster.routed() if self.cluster.route(n).delay_s == 0]
+        if not routed:
+            return None
+        name = self.rng.choice(routed)
+        route = self.cluster.route(name)
+        delay_s, for_s = self.rng.uniform(0.05, 0.2), self.rng.uniform(2.0, 5.0)
+        route.slow(delay_s)
+        self._later(for_s, lambda: route.slow(0))
+        return f"{name} +{delay_s * 1000:.0f} ms for {for_s:.1f} s"
+
+    async def _redis_oom(self) -> str | None:
+        redis = self.cluster.redis
+        if redis.filled:
+            return None  # one at a time: each restores the limit it lowered
+        index, target = await asyncio.to_thread(redis.fill, self.rng)
+        unfill = self._note("redis_oom", lambda: redis.unfill(index))
+        self._later(self.rng.uniform(2.0, 5.0), unfill)
+        return target
+
+    async def _kill_redis(self) -> str | None:
+        down_s = self.rng.uniform(0.2, 1.5)
+        return await asyncio.to_thread(self.cluster.redis.bounce, self.rng, down_s)
+
+    async def _restart_primary(self) -> str | None:
+        # Back well before the node timeout (1 s): no replica is promoted.
+        down_s = self.rng.uniform(0.1, 0.4)
+        return await asyncio.to_thread(self.cluster.redis.restart_primary, self.rng, down_s)
+
+    async def _promote_replica(self) -> str | None:
+        redis = self.cluster.redis
+        index, target = await asyncio.to_thread(redis.kill_primary, self.rng)
+        self._later(self.rng.uniform(0.2, 1.5),
+                    self._note("promote_replica", lambda: redis.rejoin(index)))  # fmt: skip
+        return target
+
     async def heal(self) -> None:
         """Everything back: paused workers continued, the killed ones replaced."""
         await asyncio.gather(*self._healing)
         for proc in self.cluster.procs.values():
             if proc.stopped:
                 proc.resume()
+        for route in self.cluster.routes():
+            route.heal()
+            route.slow(0)
         self.cluster.redis.heal()

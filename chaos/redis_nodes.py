@@ -1,10 +1,18 @@
 """The Redis a nemesis run uses: one server, or a Redis Cluster of six nodes.
 
 Both persist as every Redis duplexq starts does (``REDIS_PERSISTENCE``). The
-cluster has 3 primaries with a replica each; its ``kill_redis`` fault is a
-SIGKILL of one primary, which comes back on its AOF after a pause (by then its
-replica may have been promoted, and it rejoins as that one's replica). Any
-primary may be killed, the first node the URL names too: the URL names three
+cluster has 3 primaries with a replica each. What the nemesis does to them:
+
+- ``bounce``: SIGKILL the Redis (on a cluster: a replica) and start it again on
+  its AOF after a pause (a replica then syncs again from its primary);
+- ``restart_primary``: SIGKILL a primary and start it again before the cluster's
+  node timeout, so that no failover happens (whether one did is reported);
+- ``kill_primary``, then ``start``: SIGKILL a primary, wait until its replica is
+  promoted, start the old one again: it rejoins as the new primary's replica;
+- ``fill`` and ``unfill``: Redis at its memory limit (``maxmemory`` set just
+  above what it uses, ``noeviction`` as shipped) and back.
+
+Any primary may be hit, the first node the URL names too: the URL names three
 seed nodes, as a deployment should. In cluster mode the control plane's job
 queue has a plain Redis of its own (arq is not cluster-aware).
 """
@@ -22,6 +30,8 @@ from typing import Protocol
 from schemas.config import REDIS_PERSISTENCE
 
 NODE_TIMEOUT_MS = 1000
+OOM_MARGIN_BYTES = 64 * 1024
+"""How far above its used memory a filled Redis's ``maxmemory`` is set."""
 
 
 class Process(Protocol):
@@ -69,6 +79,8 @@ class RedisNodes:
             make(name, _server_args(port, workdir / name, extra))
             for name, port in zip(names, self.ports, strict=True)
         ]
+        self._filled: dict[int, int] = {}
+        """Filled nodes -> their count of memory refusals when filled."""
         self.queue_port = ports()
         self.queue = (
             make("redis-queue", _server_args(self.queue_port, workdir / "redis-queue", []))
@@ -77,11 +89,16 @@ class RedisNodes:
 
     @property
     def url(self) -> str:
+        return self.url_via({port: port for port in self.ports})
+
+    def url_via(self, ports: dict[int, int]) -> str:
+        """The data plane's URL with each node's port replaced by ``ports[port]`` (a
+        process's own route to it)."""
         if not self.cluster:
-            return f"redis://127.0.0.1:{self.ports[0]}/0"
+            return f"redis://127.0.0.1:{ports[self.ports[0]]}/0"
         # Several seeds: a process (re)started while a killed node is down still
         # reaches the cluster.
-        seeds = ",".join(f"127.0.0.1:{port}" for port in self.ports[:3])
+        seeds = ",".join(f"127.0.0.1:{ports[port]}" for port in self.ports[:3])
         return f"redis+cluster://{seeds}/0"
 
     @property
@@ -124,26 +141,121 @@ class RedisNodes:
             return False
         return "role:slave" not in repl or "master_link_status:up" in repl
 
+    def name(self, index: int) -> str:
+        return f"redis-{index}" if self.cluster else "redis"
+
+    def settled(self, within_s: float = 15) -> None:
+        """On a cluster, wait (at most ``within_s``) until every node is up, every slot
+        served and every replica in sync: one fault on the cluster at a time."""
+        if self.cluster:
+            deadline = time.monotonic() + within_s
+            while time.monotonic() < deadline and not all(self._ok(p) for p in self.ports):
+                time.sleep(0.1)
+
     def bounce(self, rng: random.Random, down_s: float) -> str:
-        """SIGKILL one Redis (on a cluster: a primary) and start it again after
+        """SIGKILL one Redis (on a cluster: a replica) and start it again after
         ``down_s``; returns which."""
         index = 0
         if self.cluster:
-            primaries = [i for i in range(len(self.nodes)) if self._role(i) == "master"]
-            index = rng.choice(primaries or list(range(len(self.nodes))))
+            self.settled()
+            replicas = self._with_role("slave")
+            index = rng.choice(replicas or list(range(len(self.nodes))))
         node = self.nodes[index]
         node.kill()
         time.sleep(down_s)
         node.start()
-        return f"redis-{index}" if self.cluster else "redis"
+        return self.name(index)
+
+    def restart_primary(self, rng: random.Random, down_s: float) -> str:
+        """SIGKILL a primary and start it again after ``down_s`` (less than the node
+        timeout); returns which, and whether its replica was promoted all the same
+        (known once the node serves again, or after 15 s)."""
+        self.settled()
+        index = rng.choice(self._with_role("master") or list(range(len(self.nodes))))
+        node = self.nodes[index]
+        node.kill()
+        time.sleep(down_s)
+        node.start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not self._ok(self.ports[index]):
+            time.sleep(0.05)
+        role = self._role(index)
+        return self.name(index) + ("" if role == "master" else f" (failed over: {role})")
+
+    def kill_primary(self, rng: random.Random, within_s: float = 20) -> tuple[int, str]:
+        """SIGKILL a primary and wait (at most ``within_s``) until its replica is
+        promoted; returns the killed node (``start`` brings it back) and what happened."""
+        self.settled()
+        index = rng.choice(self._with_role("master") or list(range(len(self.nodes))))
+        replica = self._replica_of(index)
+        self.nodes[index].kill()
+        if replica is None:
+            return index, f"{self.name(index)} (had no replica)"
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if self._role(replica) == "master":
+                return index, f"{self.name(index)} -> {self.name(replica)}"
+            time.sleep(0.05)
+        return index, f"{self.name(index)} (no promotion in {within_s:g} s)"
+
+    def rejoin(self, index: int) -> str:
+        """Start a killed node again (on its AOF and its cluster configuration); returns
+        what it is once the cluster settled."""
+        if not self.nodes[index].alive:
+            self.nodes[index].start()
+        self.settled(20)
+        return f"{self.name(index)} back as {self._role(index)}"
+
+    def fill(self, rng: random.Random) -> tuple[int, str]:
+        """Redis (on a cluster: a primary) at its memory limit: ``maxmemory`` just above
+        the memory it uses, so that writes are refused; ``unfill`` restores it."""
+        index = rng.choice(self._with_role("master")) if self.cluster else 0
+        port = self.ports[index]
+        used = int(self._info(port, "memory").get("used_memory", "0"))
+        self._cli(port, "config", "set", "maxmemory", str(used + OOM_MARGIN_BYTES))
+        self._filled.setdefault(index, self._oom_errors(port))
+        return index, self.name(index)
+
+    @property
+    def filled(self) -> bool:
+        """Whether a node is at its memory limit now (``fill`` without ``unfill``)."""
+        return bool(self._filled)
+
+    def unfill(self, index: int) -> str:
+        """``maxmemory`` back to its setting (none); returns how many commands Redis
+        refused for memory while it was filled."""
+        port = self.ports[index]
+        self._cli(port, "config", "set", "maxmemory", "0")
+        before = self._filled.pop(index, 0)
+        return f"{self.name(index)} refused {max(0, self._oom_errors(port) - before)} commands"
+
+    def _oom_errors(self, port: int) -> int:
+        stat = self._info(port, "errorstats").get("errorstat_OOM", "count=0")
+        return int(stat.split(",", 1)[0].removeprefix("count="))
+
+    def _info(self, port: int, section: str) -> dict[str, str]:
+        lines = self._cli(port, "info", section).splitlines()
+        return dict(line.split(":", 1) for line in lines if ":" in line)
+
+    def _with_role(self, role: str) -> list[int]:
+        return [i for i in range(len(self.nodes)) if self._role(i) == role]
+
+    def _replica_of(self, index: int) -> int | None:
+        """The node replicating primary ``index``, if one is connected."""
+        for key, value in self._info(self.ports[index], "replication").items():
+            if key.startswith("slave") and "port=" in value:
+                fields = dict(part.split("=", 1) for part in value.split(",") if "=" in part)
+                port = int(fields["port"])
+                if port in self.ports:
+                    return self.ports.index(port)
+        return None
 
     def _role(self, index: int) -> str:
-        for line in self._cli(self.ports[index], "info", "replication").splitlines():
-            if line.startswith("role:"):
-                return line.split(":", 1)[1].strip()
-        return "down"
+        return self._info(self.ports[index], "replication").get("role", "down").strip()
 
     def heal(self) -> None:
+        for index in list(self._filled):
+            self.unfill(index)
         for node in self.nodes:
             if not node.alive:
                 node.start()

@@ -81,3 +81,37 @@ def test_a_cancel_ends_every_answer_in_flight_not_only_the_last_sent():
     ops += [Op("ack", 0.3, A), Op("ack", 0.3, retry), *answered(A, 0.4, blocks=[0, 1, 2])]
     ops += [Op("cancel_sent", 0.5, retry), Op("cancelled", 0.6, epoch=1)]
     assert check([history(*ops)]).ok
+
+
+def test_a_stall_after_a_block_already_on_its_way_is_the_faults_recovery():
+    """The fault struck while a block was on its way: it arrives at once, then the
+    client waits 4 s. The recovery is the end of that wait, not the first block."""
+    ops = [Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.9, blocks=[0])]
+    ops += answered(A, 5.0, blocks=[1, 2, 3])
+    verdict = check([history(*ops)], [Fault(1.0, "restart_primary")])
+    assert [round(t, 3) for t in verdict.recovery["restart_primary"]] == [4.01]
+
+
+def test_a_client_that_begins_waiting_just_after_the_fault_counts_too():
+    """Caught between two inputs, the client sends its next one after the fault and
+    waits 3 s for its answer: that wait is the fault's recovery."""
+    waiting = history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2))
+    waiting.add(Op("send", 1.2, B))
+    for op in answered(B, 4.2):
+        waiting.add(op)
+    verdict = check([waiting], [Fault(1.0, "kill_worker")])
+    assert [round(t, 3) for t in verdict.recovery["kill_worker"]] == [3.2]
+
+
+def test_a_fault_aimed_at_one_client_is_judged_on_that_client():
+    quick = history(Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 1.1))
+    stalled = history(Op("send", 0, B), Op("ack", 0.1, B), *answered(B, 8.0), client=1)
+    verdict = check([quick, stalled], [Fault(1.0, "drop_socket", "client-0")])
+    assert [round(t, 3) for t in verdict.recovery["drop_socket"]] == [0.1]
+
+
+def test_a_client_idle_when_its_socket_dropped_recovers_with_its_next_answer():
+    ops = [Op("send", 0, A), Op("ack", 0.1, A), *answered(A, 0.2), Op("drop", 1.0)]
+    ops += [Op("send", 1.05, B), Op("resume", 1.2), Op("ack", 1.25, B), *answered(B, 1.3)]
+    verdict = check([history(*ops)], [Fault(1.0, "drop_socket", "client-0")])
+    assert [round(t, 3) for t in verdict.recovery["drop_socket"]] == [0.3]
