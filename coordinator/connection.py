@@ -347,7 +347,7 @@ class Connection:
         event = error_event(exc.code.value, exc.message, client_event_id)
         if self.limits.journal_error():
             try:
-                await self._journal(event)
+                await self._journal(event, receipt=False)
                 return
             except SessionReplacedError:
                 await self.evict("session resumed on another connection")
@@ -496,9 +496,13 @@ class Connection:
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})
 
-    async def _journal(self, event: dict[str, Any]) -> None:
-        """Journal a notice for the client, while this connection serves the session."""
-        await self.coordinator.authority.journal(self.session_id, event, attachment=self.attachment)
+    async def _journal(self, event: dict[str, Any], *, receipt: bool = True) -> None:
+        """Journal a notice for the client, while this connection serves the session. A
+        notice acknowledging what the event wrote (``receipt``) is journaled on a full
+        Redis too: refused, it would tell the client that what was taken was not."""
+        await self.coordinator.authority.journal(
+            self.session_id, event, attachment=self.attachment, receipt=receipt
+        )
 
     async def _append(self, mode: InputMode, payload: Payload) -> int:
         receipt = await self.coordinator.append(

@@ -347,9 +347,18 @@ class SessionAuthority:
         """The session's authority hash, decoded (for inspection tools)."""
         return await self.bus.hgetall(self.bus.keys.session(session_id).meta)
 
-    async def journal(self, session_id: str, event: dict[str, Any], *, attachment: str = "") -> int:
+    async def journal(
+        self,
+        session_id: str,
+        event: dict[str, Any],
+        *,
+        attachment: str = "",
+        receipt: bool = False,
+    ) -> int:
         """Append a coordinator notice (a server event as JSON) to the client journal;
-        returns its server_event_seq. ``attachment``: as for ``append``."""
+        returns its server_event_seq. ``attachment``: as for ``append``. ``receipt``: the
+        notice acknowledges a write Redis took, and is journaled on a full Redis too
+        (``scripts.RECEIPT``)."""
         sk = self.bus.keys.session(session_id)
         tail = _tail_encoder.encode(
             {
@@ -364,7 +373,7 @@ class SessionAuthority:
             }
         )[1:]
         reply = await self._call(
-            self.bus.journal_script,
+            self.bus.receipt_script if receipt else self.bus.journal_script,
             session_id,
             [sk.meta, sk.client, sk.bell(CLIENT)],
             [session_id, tail, attachment],

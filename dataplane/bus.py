@@ -233,6 +233,7 @@ class RedisBus:
         self.release_script = self._register(scripts.RELEASE)
         self.publish_script = self._register(scripts.PUBLISH)
         self.journal_script = self._register(scripts.JOURNAL)
+        self.receipt_script = self._register(scripts.RECEIPT)
         self.reserve_script = self._register(scripts.RESERVE)
         self.attach_script = self._register(scripts.ATTACH)
         self.configure_script = self._register(scripts.CONFIGURE)

@@ -436,7 +436,8 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 (``dataplane.full``). Only for a script whose writes take no more memory. It must be the
 script's very first line (``RedisBus`` puts the prelude after it). On a cluster Redis
 then also refuses a script that touches keys of more than one slot, declared or not:
-each script that starts with it touches only KEYS[1]."""
+each script that starts with it touches only KEYS[1] (``RECEIPT``: keys of one slot).
+The one exception to "no more memory" is ``RECEIPT``, whose growth is bounded."""
 
 # KEYS: lease     ARGV: token ttl_ms
 # Runs on a full Redis (``ALLOW_OOM``): a lease must not lapse, and its session fail over,
@@ -592,6 +593,14 @@ redis.call('XADD', KEYS[2], '*', 'e', event, 'n', n)
 ring(KEYS[3], ARGV[1], 'd')
 return remember(KEYS[1], {'ok', n})
 """
+
+RECEIPT = "#!lua flags=allow-oom\n" + JOURNAL
+"""``JOURNAL`` for a notice that acknowledges a write Redis already took (an item
+created, a buffer cleared, a session updated): it runs on a full Redis too. Refused, the
+client would hear ``redis_full`` for an event that was taken, and send it again (an input
+taken twice). Its writes do take memory (the notice, its repeat memo), but one per event
+taken: bounded by what Redis accepted before it filled up (``tests/test_redis_full.py``).
+Its keys share one slot, as a full cluster node requires of such a script."""
 
 # KEYS: meta
 # ARGV: attachment producer pseq   (attachment: as for APPEND)

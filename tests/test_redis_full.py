@@ -24,7 +24,7 @@ from schemas.config import Settings, echo_pipeline
 from schemas.errors import ErrorCode, RedisFullError
 from schemas.events import TextPayload
 from schemas.keys import Keys
-from tests.pipeline_helpers import fast_settings
+from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import WorkerProcess, write_pipeline
 from tests.realtime_helpers import Client, serving, text_turn, until_completed
 from tests.redis_server import RedisServer
@@ -308,5 +308,59 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
         uvicorn_log.removeHandler(caplog.handler)
         for proc in procs:
             proc.terminate()
+        await direct.aclose()
+        server.stop()
+
+
+async def test_an_input_that_takes_redis_over_its_limit_is_acknowledged(tmp_path: Path):
+    """Redis checks its limit before a write, not after: the write that takes it over is
+    taken. Its acknowledgement (``conversation.item.created``) must not then be refused,
+    or the client, told ``redis_full``, sends again an input Redis took, and hears its
+    answer twice (the nemesis found it: ``docs/nemesis.md``). A 200 KB input meets a limit
+    just above what Redis holds, raised 64 KB at a time while the input itself is refused
+    (the command's own buffer counts towards the limit): the first limit it fits under
+    is one its append takes Redis over, and the notice after it finds Redis full."""
+    server = RedisServer(tmp_path / "redis")  # its own: its limit is changed
+    server.start()
+    settings = fast_settings(server.url, "over", api_keys=("k1",))
+    pipeline = echo_pipeline("echo")
+    direct = aioredis.Redis.from_url(server.url)
+    parts = [f"{n}" * 25_000 for n in range(8)]  # a content part holds at most 32 KB
+    text = "".join(parts)
+    item = {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": part} for part in parts]}  # fmt: skip
+    try:
+        async with (
+            running_worker(settings, pipeline, "echo"),
+            serving(settings, pipeline) as base,
+            Client.connect(base) as client,
+        ):
+            sid = (await client.recv())["session"]["id"]
+            log = Keys("over").session(sid).input
+            for event in text_turn("one"):
+                await client.send(event)
+            assert _deltas(await until_completed(client, 30)) == "one"
+            for margin in range(64_000, 2_000_000, 64_000):
+                used = int((await direct.info("memory"))["used_memory"])
+                await direct.config_set("maxmemory", used + margin)
+                try:
+                    await client.send({"type": "conversation.item.create",
+                                       "event_id": f"big-{margin}", "item": item})  # fmt: skip
+                    answer = await client.recv()
+                    if await direct.xlen(log) == 2:  # refused, nothing taken: a higher limit
+                        assert answer["error"]["code"] == "redis_full", answer
+                        continue
+                    assert answer["type"] == "conversation.item.created", answer
+                    with pytest.raises(redis.OutOfMemoryError):  # it was over its limit
+                        await direct.set("probe", "1")
+                    break
+                finally:
+                    await direct.config_set("maxmemory", 0)
+            else:
+                raise AssertionError("the input was refused under every limit tried")
+            await client.send({"type": "response.create"})
+            assert _deltas(await until_completed(client, 30)) == text  # once
+            assert await direct.xlen(log) == 4  # one's text and commit, the big one's
+    finally:
         await direct.aclose()
         server.stop()
