@@ -17,6 +17,14 @@ with many commands in flight, so three of its reactions are changed here:
   which fail with errors no retry covers (``AttributeError`` on a connection
   closed under a write). Its "close everything and start again" on an error
   is likewise turned into "learn the slot map again before the next command".
+- Learning the slot map again asks first the nodes that answer at all: redis-py
+  asks the nodes one after the other, and a node that is stopped or cut off
+  (its socket open, nothing answered) held every refresh, and so every command
+  retried meanwhile, until its timeout: seconds in which a worker's leases on
+  the live primaries lapsed (``tests/test_heartbeat.py``). Each node is probed
+  with a ``PING`` on a socket of its own (no pooled connection is cancelled
+  mid-reply) for ``PROBE_S``; a node behind TLS answers no plain probe and
+  keeps its place.
 
 ``tests/test_cluster.py`` kills a primary with SIGKILL under load and checks
 that every acknowledged input is answered once.
@@ -25,6 +33,7 @@ that every acknowledged input is answered once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 from typing import Any
@@ -46,6 +55,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane.full import full_error, refused_for_memory
 from dataplane.packing import PackedConnection
+
+PROBE_S = 0.25
+"""How long a node may take to answer the probe that orders a refresh's nodes."""
 
 RETRY_S = 30.0
 """How long a command is retried through a failover before its error is raised."""
@@ -209,6 +221,7 @@ class ClusterClient(RedisCluster):
             started = time.monotonic()
             token = _in_command.set(True)
             try:
+                await self._answering_first()
                 await self.nodes_manager.initialize()
                 self._initialize = False
                 self._refreshed_at = started
@@ -216,6 +229,19 @@ class ClusterClient(RedisCluster):
                 self._initialize = True
             finally:
                 _in_command.reset(token)
+
+    async def _answering_first(self) -> None:
+        """Order the nodes a refresh asks so that those answering a probe come first
+        (in their order before); the dict is reordered in place (it is compared by
+        identity in ``_StableNodes.set_nodes``)."""
+        seeds = self.nodes_manager.startup_nodes
+        nodes = list(seeds.items())
+        answers = await asyncio.gather(*(_answers(node.host, int(node.port)) for _, node in nodes))
+        if all(answers) or not any(answers):
+            return
+        seeds.clear()
+        seeds.update([item for item, ok in zip(nodes, answers, strict=True) if ok])
+        seeds.update([item for item, ok in zip(nodes, answers, strict=True) if not ok])
 
     async def aclose(self) -> None:
         if _in_command.get():  # redis-py's reaction to an error, not a shutdown
@@ -227,6 +253,27 @@ class ClusterClient(RedisCluster):
         self._initialize = True
         await self.nodes_manager.aclose()
         await self.nodes_manager.aclose("startup_nodes")
+
+
+async def _answers(host: str, port: int) -> bool:
+    """Whether a node at ``host``:``port`` answers a plain ``PING`` within ``PROBE_S``
+    (any reply counts, an authentication error too)."""
+    try:
+        async with asyncio.timeout(PROBE_S):
+            reader, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        async with asyncio.timeout(PROBE_S):
+            writer.write(b"PING\r\n")
+            await writer.drain()
+            return bool(await reader.read(1))
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 def seed_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:

@@ -10,6 +10,7 @@ not regressed; a stopped-then-resumed worker whose lease moved is refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -125,35 +126,37 @@ class StageOwnership:
             out_seq=int(reply[8]),
             config=_text(reply[9]) if len(reply) > 9 else "",
         )
-        await self._index({session_id: now_ms + self.ttl_ms})
+        await self.index({session_id: now_ms + self.ttl_ms})
         return status, lease
 
     async def renew(self, leases: Sequence[Lease], now_ms: int) -> list[bool]:
-        """Renew many leases in one round trip; False where the lease was lost.
+        """Renew many leases together; False where the lease was lost. (A worker's
+        heartbeat renews each on its own: ``workers.heartbeat``.)
 
         Only renewed leases get a new expiry in the lease index: a lost one keeps
         its old (past) score, so the orphan scans see it at once.
         """
-        if not leases:
-            return []
-        calls = [
-            (
-                [self.bus.keys.session(lease.session_id).lease(self.stage)],
-                [lease.token, self.ttl_ms],
-            )
-            for lease in leases
-        ]
-        renewed = [bool(r) for r in await self.bus.run_many(self.bus.renew_script, calls)]
+        renewed = list(await asyncio.gather(*(self.renew_one(lease) for lease in leases)))
         expiry = {
             lease.session_id: now_ms + self.ttl_ms
             for lease, ok in zip(leases, renewed, strict=True)
             if ok
         }
         if expiry:
-            await self._index(expiry)
+            await self.index(expiry)
         return renewed
 
-    async def _index(self, expiry: Mapping[str, int]) -> None:
+    async def renew_one(self, lease: Lease) -> bool:
+        """Renew one lease (its index entry is not written); False when it was lost.
+        Calls made together go to a single Redis in one round trip."""
+        keys = [self.bus.keys.session(lease.session_id).lease(self.stage)]
+        return bool(
+            (await self.bus.run_many(self.bus.renew_script, [(keys, [lease.token, self.ttl_ms])]))[
+                0
+            ]
+        )
+
+    async def index(self, expiry: Mapping[str, int]) -> None:
         """Record leases' expiries (session id -> ms) in the stage's lease index, which
         the orphan scans read. A full Redis still moves the sessions already in it; one
         not in it yet (taken just as Redis filled up) is added by a renewal once Redis

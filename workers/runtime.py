@@ -66,6 +66,7 @@ from schemas.keys import ASSIGN_GROUP, Keys, worker_bell
 from schemas.session_shape import settings_from_json
 from workers.actor import ActorState, SessionActor
 from workers.backends import StageBackend, StageContext, create_backend
+from workers.heartbeat import Renewals
 from workers.loading import ModelLoadFailed, load_until_stopped
 from workers.ownership import AcquireStatus, Lease, StageOwnership
 from workers.rebuild import load_takeover
@@ -139,6 +140,7 @@ class Worker:
         self._readers: dict[str, aioredis.Redis] = {}
         self._taking: dict[str, Lease] = {}
         """Leases of sessions being taken (history loading): renewed like the others."""
+        self._renewals = Renewals(self.ownership, self._renewed)
         self.model: StageModel | None = None
         """What the worker serves, once its model is loaded (``workers.loading``)."""
 
@@ -200,6 +202,7 @@ class Worker:
                 group.create_task(self._loop(self._control_round, 0), name="control")
                 group.create_task(self._loop(self._data_round, 0), name="data")
         finally:
+            await self._renewals.aclose()
             await self._hand_back_all()
             await withdraw(self.bus, self.stage, self.worker_id)
             await self.backend.aclose()
@@ -466,31 +469,41 @@ class Worker:
             await self._retire(actor)
 
     async def _heartbeat_round(self) -> None:
-        now = now_ms()
+        """Start this heartbeat's writes (``workers.heartbeat``): none is waited for, so
+        a slow Redis node holds back only what lives on it."""
+        self._renewals.flights.start("registry", self._register)
+        pending = [actor.pending(now_ms()) for actor in self.actors.values()]
+        STAGE_PENDING.labels(stage=self.stage).set(sum(n for n, _ in pending))
+        STAGE_LAG.labels(stage=self.stage).set(max((lag for _, lag in pending), default=0.0))
+        active = [a.lease for a in self.actors.values() if a.active]
+        self._renewals.start([*active, *self._taking.values()])
+
+    async def _register(self) -> None:
+        """This worker's place among the stage's live workers, scored by now."""
         try:
-            await self.bus.rescore(self.keys.workers(self.stage), {self.worker_id: now})
+            await self.bus.rescore(self.keys.workers(self.stage), {self.worker_id: now_ms()})
         except RedisFullError:
             # Only a worker not in the set yet is refused (a full Redis still moves an
             # entry): it counts as live once Redis has room; its leases are renewed now.
             log.warning("Redis is full: worker %s cannot join the live workers yet",
                         self.worker_id)  # fmt: skip
-        pending = [actor.pending(now) for actor in self.actors.values()]
-        STAGE_PENDING.labels(stage=self.stage).set(sum(n for n, _ in pending))
-        STAGE_LAG.labels(stage=self.stage).set(max((lag for _, lag in pending), default=0.0))
-        actors = [a for a in self.actors.values() if a.active]
-        taking = list(self._taking.values())
-        renewed = await self.ownership.renew([a.lease for a in actors] + taking, now_ms())
-        for lease, ok in zip(taking, renewed[len(actors) :], strict=True):
-            if not ok:
-                self._taking.pop(lease.session_id, None)  # the take is abandoned
-        for actor, ok in zip(actors, renewed[: len(actors)], strict=True):
-            if not ok and actor.active:
-                log.warning(
-                    "lost the lease", extra=session_extra(
-                        actor.session_id, actor.ctx.fence, stage=self.stage, worker=self.worker_id
-                    ),
-                )  # fmt: skip
-                actor.end(ActorState.LOST)
+
+    def _renewed(self, lease: Lease, ok: bool) -> None:
+        """A renewal's outcome: a lost lease ends its take, or its actor."""
+        if ok:
+            return
+        taking = self._taking.get(lease.session_id)
+        if taking is not None and taking.token == lease.token:
+            self._taking.pop(lease.session_id, None)  # the take is abandoned
+            return
+        actor = self.actors.get(lease.session_id)
+        if actor is not None and actor.active and actor.lease.token == lease.token:
+            log.warning(
+                "lost the lease", extra=session_extra(
+                    actor.session_id, actor.ctx.fence, stage=self.stage, worker=self.worker_id
+                ),
+            )  # fmt: skip
+            actor.end(ActorState.LOST)
 
     async def _control_round(self) -> None:
         if self._control.sweep_due():
