@@ -18,7 +18,10 @@ else comes within ``pong_within_s``, then resumes, on another coordinator
 first; events are processed once
 each, by ``duplexq.seq``, whichever socket brought them. It never guesses:
 an attempt the server did not acknowledge before the socket died is sent again
-as a new attempt.
+as a new attempt. An event the server refuses because Redis is full (error
+``redis_full``, naming the event's ``event_id``) was not taken: the client
+sends it again after a pause, as the API documents (an input or a function's
+result again with its ``response.create``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class ClientConfig:
     silence_s: float = 2.0
     """While an answer is owed, how long the server may say nothing before it is
     pinged."""
+    refused_pause_s: float = 0.3
+    """How long to wait before sending again an event refused as ``redis_full``."""
     pong_within_s: float = 2.5
     """How long a ping may go unanswered, with nothing else heard meanwhile, before the
     socket is given up. With ``silence_s``, less than the shortest coordinator pause
@@ -114,6 +119,15 @@ class ChaosClient:
         """The call this client's last result answered, and the socket it went on."""
         self._result_socket: ClientConnection | None = None
         self._result_acked = False
+        self._sent: dict[str, dict[str, Any]] = {}
+        """The events sent on the current socket, by ``event_id`` (the newest 256)."""
+        self._asked_after: dict[str, str] = {}
+        """An item's ``event_id`` -> the ``response.create`` sent right after it."""
+        self._superseded: set[str] = set()
+        """``response.create`` events sent again with their refused item already."""
+        self._refused: list[str] = []
+        """Events refused as ``redis_full``, to send again in this order."""
+        self._event_no = 0
 
     @property
     def coordinator(self) -> str:
@@ -178,6 +192,8 @@ class ChaosClient:
         deadline = time.monotonic() + self.config.wait_s
         cancel_sent = False
         while time.monotonic() < deadline:
+            if self._refused and not self._lost_socket.is_set():
+                await self._send_refused_again()
             if self._lost_socket.is_set():
                 await self._resume()
                 if not self.acked:
@@ -274,6 +290,11 @@ class ChaosClient:
         self._socket = socket
         self._heard = time.monotonic()
         self._lost_socket.clear()
+        # What was refused on the old socket is sent again by the resume's own logic.
+        self._sent.clear()
+        self._refused.clear()
+        self._asked_after.clear()
+        self._superseded.clear()
         task = asyncio.create_task(self._read(socket))
         self._readers.add(task)
         task.add_done_callback(self._readers.discard)
@@ -322,14 +343,42 @@ class ChaosClient:
         self._lost_socket.set()
         self._changed.set()
 
-    async def _send(self, event: dict[str, Any]) -> None:
+    async def _send(self, event: dict[str, Any]) -> str:
+        """Send ``event`` under a fresh ``event_id`` (returned)."""
+        self._event_no += 1
+        event_id = f"c{self.index}e{self._event_no}"
+        self._sent[event_id] = event
+        if len(self._sent) > 256:
+            del self._sent[next(iter(self._sent))]
         socket = self._socket
         try:
             if socket is None:
                 raise ConnectionError("no socket")
-            await socket.send(json.dumps(event))
+            await socket.send(json.dumps({**event, "event_id": event_id}))
         except (ConnectionError, websockets.WebSocketException):
             self._lost_socket.set()
+        return event_id
+
+    async def _send_item(self, item: dict[str, Any]) -> None:
+        """An item, then a ``response.create`` asking for the answer to it."""
+        item_id = await self._send({"type": "conversation.item.create", "item": item})
+        self._asked_after[item_id] = await self._send({"type": "response.create"})
+
+    async def _send_refused_again(self) -> None:
+        """Send again, after a pause, what the server refused for a full Redis. A
+        refused item goes again with a new ``response.create`` (the one sent after it
+        is then not sent again: if it was taken, it found nothing new to answer)."""
+        await asyncio.sleep(self.config.refused_pause_s)
+        refused, self._refused = self._refused, []
+        for event_id in refused:
+            event = self._sent.get(event_id)
+            if event is None or event_id in self._superseded:
+                continue
+            if event.get("type") == "conversation.item.create":
+                self._superseded.add(self._asked_after.pop(event_id, ""))
+                await self._send_item(event["item"])
+            else:
+                await self._send(event)
 
     async def _send_result(self, call_id: str) -> None:
         """Answer the model's call with the blocks it asked for (again after a lost
@@ -344,7 +393,8 @@ class ChaosClient:
             self._record("result_sent", attempt=self.outstanding, detail=call_id)
             result = {"type": "function_call_output", "call_id": call_id,
                       "output": self.outstanding.text()}  # fmt: skip
-            await self._send({"type": "conversation.item.create", "item": result})
+            await self._send_item(result)
+            return
         # The answer is asked for again after a lost socket even when the result was
         # taken: the request for it may have been lost with the socket (a second one
         # is answered with nothing).
@@ -354,8 +404,7 @@ class ChaosClient:
         text = f"call:{attempt.text()}" if tool else attempt.text()
         item = {"type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": text}]}  # fmt: skip
-        await self._send({"type": "conversation.item.create", "item": item})
-        await self._send({"type": "response.create"})
+        await self._send_item(item)
 
     async def _read(self, socket: ClientConnection) -> None:
         try:
@@ -437,6 +486,9 @@ class ChaosClient:
                 self._cancel_refused = True
                 self._record("cancel_refused")
             else:
+                event_id = str((event.get("error") or {}).get("event_id", ""))
+                if code == "redis_full" and event_id in self._sent:
+                    self._refused.append(event_id)
                 self._record("error", detail=code)
         elif kind == "duplexq.session.closed":
             self._record("dead", detail="session closed")
