@@ -535,9 +535,11 @@ class Connection:
     async def _pump(self) -> None:
         while True:
             item = await self.outbound.get()
-            if isinstance(item, dict):  # not journaled: placed after what was sent
-                fields = {"event_id": _fresh_event_id(), EXTENSION: {"seq": self._sent_seq}}
-                await self.socket.send_json({**item, **fields})
+            if isinstance(item, dict):
+                # Not journaled: no place in the session (no duplexq.seq), never replayed.
+                # With the seq of the last event sent, a client that drops what it has
+                # processed (seq at most its last) dropped it: an error never heard.
+                await self.socket.send_json({**item, "event_id": _fresh_event_id()})
                 continue
             delivery = item
             event = delivery.event
