@@ -13,12 +13,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from schemas.config import StageConfig
 from tests.processes import ROOT
 from tests.realtime_helpers import sample
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port
 
 ECHO = ROOT / "configs" / "echo.toml"
 ASR = StageConfig(name="asr", backend="asr", to_client=True)
@@ -181,36 +182,42 @@ def scrape(target: str) -> str:
 
 
 def test_a_worker_honours_sigterm_within_its_grace_even_when_busy(tmp_path):
+    """A worker serving on a Redis that stops answering (SIGSTOP: its sockets stay
+    open, nothing comes back) cannot hand its sessions back after SIGTERM: the drain
+    waits on Redis. Its grace timer ends it. (A Redis that never answered is no test of
+    this: the start-up check waits for it, and a stop signal ends that wait at once.)"""
     from workers.__main__ import STOP_GRACE_S
 
-    # A worker whose Redis never answers is stuck outside its loop: the grace bounds it.
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "workers",
-                "--stage",
-                "thinker",
-                "--pipeline",
-                str(ECHO),
-                "--redis-url",
-                url,
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        time.sleep(3)  # past its Redis check: in its loop, retrying
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "workers", "--stage", "thinker", "--pipeline", str(ECHO),
+         "--redis-url", server.url],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        probe = redis.Redis(port=server.port)
+        deadline = time.monotonic() + 60
+        while not probe.keys("*workers:thinker*"):  # serving: past its check, in its loop
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        probe.close()
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         out, _ = worker.communicate(timeout=STOP_GRACE_S + 20)
-    assert worker.returncode is not None
-    assert "cannot reach Redis" in out
+        assert worker.returncode == 1
+        assert time.monotonic() - stopped >= STOP_GRACE_S  # the drain was still waiting
+        assert "after the stop signal: exiting now" in out
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()
 
 
 def _open_and_speak(settings, seconds: float) -> None:
