@@ -26,7 +26,17 @@ Fault classes (``FAULTS``; ``faults_for`` gives those of one kind of Redis):
 - on a cluster only, ``restart_primary``: SIGKILL a primary and start it again
   before the node timeout (no failover), and ``promote_replica``: SIGKILL a
   primary, wait until its replica is promoted, start the old one again (it
-  rejoins as a replica).
+  rejoins as a replica);
+- with simulated hosts only (``--hosts``), ``partition``: a host holding a
+  primary (and the minority of the processes placed with it) cut off from
+  the others until the primary's replica is promoted, and 1 to 3 s more, then
+  healed: the old primary rejoins as a replica, and once in sync takes its
+  role back by the graceful handover (``CLUSTER FAILOVER``), so that every
+  data host holds a primary for the next partition. Only a host with one
+  primary is partitioned: the other two primaries, a majority, elect its
+  replica (isolating two primaries stops the whole cluster until the heal,
+  since no majority is left to elect anyone). Classes that need the routes
+  (``cut_worker``, ``slow_redis``) do not run on hosts.
 
 Every fault is recorded with the time it struck (when the nemesis began it),
 for the recovery figures; what a fault turned out to do, where that is known
@@ -43,19 +53,29 @@ from collections.abc import Callable, Sequence
 from chaos.checker import Fault
 from chaos.client import ChaosClient
 from chaos.cluster import Cluster
+from chaos.hosts import DATA_HOSTS
 
 FAULTS = (
     "kill_worker", "pause_worker", "cut_worker", "kill_coordinator", "pause_coordinator",
     "drop_socket", "slow_redis", "redis_oom", "kill_redis", "restart_primary",
-    "promote_replica",
+    "promote_replica", "partition",
 )  # fmt: skip
 CLUSTER_ONLY = ("restart_primary", "promote_replica")
 """Classes that need a Redis Cluster (a primary and its replica)."""
+HOSTS_ONLY = ("partition",)
+"""Classes that need simulated hosts (``chaos.hosts``)."""
+ROUTED_ONLY = ("cut_worker", "slow_redis")
+"""Classes that act on a process's route to Redis (not there on hosts)."""
+ON_REDIS = ("redis_oom", "kill_redis", "restart_primary", "promote_replica", "partition")
+"""Classes that strike the Redis Cluster's nodes: one at a time."""
 
 
-def faults_for(redis_cluster: bool) -> tuple[str, ...]:
-    """The fault classes a run on one Redis (or on a cluster) strikes."""
-    return FAULTS if redis_cluster else tuple(f for f in FAULTS if f not in CLUSTER_ONLY)
+def faults_for(redis_cluster: bool, hosts: bool = False) -> tuple[str, ...]:
+    """The fault classes a run on one Redis (or on a cluster, or on hosts) strikes."""
+    if hosts:
+        return tuple(f for f in FAULTS if f not in ROUTED_ONLY)
+    left_out = HOSTS_ONLY if redis_cluster else CLUSTER_ONLY + HOSTS_ONLY
+    return tuple(f for f in FAULTS if f not in left_out)
 
 
 class Nemesis:
@@ -73,12 +93,14 @@ class Nemesis:
         self.clients = clients
         self.rng = rng
         self.started = started
-        self.faults = list(faults or faults_for(cluster.redis_cluster))
+        self.faults = list(faults or faults_for(cluster.redis_cluster, cluster.hosts is not None))
         self.every_s = every_s
         self.log: list[Fault] = []
         self.notes: list[str] = []
         """What faults turned out to do, learnt after they struck."""
         self._healing: set[asyncio.Task[None]] = set()
+        self._partitioned = False
+        """A host is partitioned, or healed but its old primary not failed back yet."""
 
     def _now(self) -> float:
         return time.monotonic() - self.started
@@ -105,6 +127,8 @@ class Nemesis:
     async def strike(self, kind: str) -> bool:
         """Strike one fault of class ``kind``; False when there was nothing to strike."""
         at = self._now()
+        if kind in ON_REDIS and self._partitioned:
+            return False  # one fault on the cluster at a time
         target = await getattr(self, f"_{kind}")()
         if target is not None:
             self.log.append(Fault(at, kind, target))
@@ -234,9 +258,52 @@ class Nemesis:
                     self._note("promote_replica", lambda: redis.rejoin(index)))  # fmt: skip
         return target
 
+    # -- hosts ----------------------------------------------------------------------------
+
+    async def _partition(self) -> str | None:
+        hosts, redis = self.cluster.hosts, self.cluster.redis
+        if hosts is None or redis.filled:
+            return None
+        await asyncio.to_thread(redis.settled)
+        # Clients need a coordinator on the majority side to resume on.
+        serving = self.cluster.serving_coordinators()
+        choices = [i for i in range(DATA_HOSTS)
+                   if any(self.cluster.placed.get(c) != i for c in serving)]  # fmt: skip
+        found = {i: await asyncio.to_thread(redis.primaries_at, hosts.address(i)) for i in choices}
+        choices = [i for i in choices if len(found[i]) == 1]
+        if not choices:
+            return None
+        index = self.rng.choice(choices)
+        self._partitioned = True
+        hosts.isolate(index)
+        moved = found[index]
+        replicas = [r for r in moved.values() if r is not None]
+        promoted = await asyncio.to_thread(redis.promoted, replicas)
+        heal = self._note("partition", lambda: self._heal_host(index, list(moved)))
+        self._later(self.rng.uniform(1.0, 3.0), heal)
+        nodes = ", ".join(f"{redis.name(p)} -> {'?' if r is None else redis.name(r)}"
+                          for p, r in moved.items())  # fmt: skip
+        return (f"host {index} ({', '.join(self.cluster.on_host(index))}): {nodes}"
+                + ("" if promoted else " (no promotion in 20 s)"))  # fmt: skip
+
+    def _heal_host(self, index: int, primaries: list[int]) -> str:
+        """Host ``index`` back on the network; what its old primaries are once the
+        cluster settled."""
+        assert self.cluster.hosts is not None
+        self.cluster.hosts.heal(index)
+        redis = self.cluster.redis
+        redis.settled(20)
+        rejoined = redis.roles(primaries)
+        back = ", ".join(f"{redis.name(p)} {redis.fail_back(p)}" for p in primaries)
+        self._partitioned = False
+        return f"host {index} healed: {rejoined}; failed back: {back}"
+
     async def heal(self) -> None:
         """Everything back: paused workers continued, the killed ones replaced."""
         await asyncio.gather(*self._healing)
+        hosts = self.cluster.hosts
+        for index in list(hosts.isolated if hosts is not None else ()):
+            await asyncio.to_thread(self._heal_host, index, [])
         for proc in self.cluster.procs.values():
             if proc.stopped:
                 proc.resume()
