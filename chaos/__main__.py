@@ -10,7 +10,8 @@
 
 The report (JSON, plus a Markdown table beside it) has, per client and in
 total, what the checker counted, the recovery time of each fault class, the
-faults struck and what the clients did. The exit code is 0 only when lost,
+faults struck and what the clients did, and what the stages published as Redis kept
+it (``chaos.owners``: outputs of two owners interleaved). The exit code is 0 only when lost,
 stale, duplicated, out-of-order, dead and stalled are all zero.
 """
 
@@ -32,6 +33,7 @@ from chaos.client import ChaosClient, ClientConfig
 from chaos.cluster import Cluster
 from chaos.hosts import Hosts
 from chaos.nemesis import Nemesis, faults_for
+from chaos.owners import handovers, read_outputs, two_owners
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, StageConfig
 from schemas.keys import Keys
@@ -146,11 +148,20 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stop_clients.set()  # each client finishes the input it is on, then stops
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - started
+        keys = Keys(cluster.settings.key_prefix, cluster=args.redis_cluster)
+        sessions = [c.session_id for c in clients if c.session_id]
+        published = await read_outputs(cluster.settings.redis_url, keys, cluster.pipeline,
+                                       sessions)  # fmt: skip
     finally:
         await asyncio.to_thread(cluster.stop)
     verdict = check([c.history for c in clients], nemesis.log, stall_s=args.stall_s)
     write_histories(workdir / "histories.jsonl", clients)
-    return report(args, verdict, clients, nemesis, elapsed)
+    result = report(args, verdict, clients, nemesis, elapsed)
+    owners = two_owners(published)
+    result["owners"] = {"outputs": len(published), "handovers": handovers(published),
+                        "two_owners": len(owners), "examples": owners[:10]}  # fmt: skip
+    result["ok"] = result["ok"] and not owners
+    return result
 
 
 def write_histories(path: Path, clients: list[ChaosClient]) -> None:
@@ -226,6 +237,12 @@ def markdown(result: dict[str, Any]) -> str:
         rec = result["recovery"].get(kind, {})
         lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} |")
     ops = result["operations"]
+    owners = result.get("owners", {})
+    lines += [
+        "",
+        f"outputs in Redis {owners.get('outputs', 0)}, of two owners {owners.get('two_owners', 0)}",
+        *(f"- {e}" for e in owners.get("examples", [])),
+    ]
     notes = [f"- {note}" for note in result.get("notes", [])]
     lines += ["", "notes:", *notes] if notes else []
     lines += [
