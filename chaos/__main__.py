@@ -240,7 +240,8 @@ def markdown(result: dict[str, Any]) -> str:
     owners = result.get("owners", {})
     lines += [
         "",
-        f"outputs in Redis {owners.get('outputs', 0)}, of two owners {owners.get('two_owners', 0)}",
+        f"outputs in Redis {owners.get('outputs', 0)} (handovers {owners.get('handovers', 0)}), "
+        f"of two owners {owners.get('two_owners', 0)}",
         *(f"- {e}" for e in owners.get("examples", [])),
     ]
     notes = [f"- {note}" for note in result.get("notes", [])]

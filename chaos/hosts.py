@@ -19,13 +19,15 @@ Names carry this process's pid (``dqh-<pid>-<i>`` for namespaces,
 run that crashed left behind (its pid no longer alive) without touching a
 concurrent run's. ``close`` removes everything this run made, also the
 processes still inside a namespace; it is idempotent and runs on every exit
-path of a run (``chaos.__main__``).
+path of a run (``chaos.__main__``), and at the interpreter's exit as a last
+resort.
 
 Needs root (``ip netns add``); ``require_root`` says so clearly.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -138,6 +140,9 @@ class Hosts:
     def open(self) -> None:
         require_root()
         sweep()
+        # The last resort when the run's own ``finally`` did not get to it (an interrupt
+        # while starting, say); a run killed outright is left to the next run's sweep.
+        atexit.register(self.close)
         try:
             self._step("link", self.bridge, "link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)

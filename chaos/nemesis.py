@@ -32,7 +32,8 @@ Fault classes (``FAULTS``; ``faults_for`` gives those of one kind of Redis):
   the others until the primary's replica is promoted, and 1 to 3 s more, then
   healed: the old primary rejoins as a replica, and once in sync takes its
   role back by the graceful handover (``CLUSTER FAILOVER``), so that every
-  data host holds a primary for the next partition. Only a host with one
+  data host holds a primary for the next partition (a primary that another
+  class moved is failed back the same way before the partition). Only a host with one
   primary is partitioned: the other two primaries, a majority, elect its
   replica (isolating two primaries stops the whole cluster until the heal,
   since no majority is left to elect anyone). Classes that need the routes
@@ -101,6 +102,9 @@ class Nemesis:
         self._healing: set[asyncio.Task[None]] = set()
         self._partitioned = False
         """A host is partitioned, or healed but its old primary not failed back yet."""
+        self._at = 0.0
+        """When the fault being struck began (a class that prepares first moves it to
+        the moment the fault itself begins)."""
 
     def _now(self) -> float:
         return time.monotonic() - self.started
@@ -126,12 +130,12 @@ class Nemesis:
 
     async def strike(self, kind: str) -> bool:
         """Strike one fault of class ``kind``; False when there was nothing to strike."""
-        at = self._now()
+        self._at = self._now()
         if kind in ON_REDIS and self._partitioned:
             return False  # one fault on the cluster at a time
         target = await getattr(self, f"_{kind}")()
         if target is not None:
-            self.log.append(Fault(at, kind, target))
+            self.log.append(Fault(self._at, kind, target))
         return target is not None
 
     def _later(self, delay_s: float, heal: Callable[[], object]) -> None:
@@ -264,7 +268,8 @@ class Nemesis:
         hosts, redis = self.cluster.hosts, self.cluster.redis
         if hosts is None or redis.filled:
             return None
-        await asyncio.to_thread(redis.settled)
+        self._partitioned = True  # nothing else on the cluster meanwhile
+        rebalanced = await asyncio.to_thread(redis.rebalance)
         # Clients need a coordinator on the majority side to resume on.
         serving = self.cluster.serving_coordinators()
         choices = [i for i in range(DATA_HOSTS)
@@ -272,9 +277,10 @@ class Nemesis:
         found = {i: await asyncio.to_thread(redis.primaries_at, hosts.address(i)) for i in choices}
         choices = [i for i in choices if len(found[i]) == 1]
         if not choices:
+            self._partitioned = False
             return None
         index = self.rng.choice(choices)
-        self._partitioned = True
+        self._at = self._now()  # the partition begins now, after the failing back
         hosts.isolate(index)
         moved = found[index]
         replicas = [r for r in moved.values() if r is not None]
@@ -283,7 +289,8 @@ class Nemesis:
         self._later(self.rng.uniform(1.0, 3.0), heal)
         nodes = ", ".join(f"{redis.name(p)} -> {'?' if r is None else redis.name(r)}"
                           for p, r in moved.items())  # fmt: skip
-        return (f"host {index} ({', '.join(self.cluster.on_host(index))}): {nodes}"
+        first = f"failed back first: {', '.join(rebalanced)}; " if rebalanced else ""
+        return (f"{first}host {index} ({', '.join(self.cluster.on_host(index))}): {nodes}"
                 + ("" if promoted else " (no promotion in 20 s)"))  # fmt: skip
 
     def _heal_host(self, index: int, primaries: list[int]) -> str:

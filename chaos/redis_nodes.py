@@ -247,6 +247,14 @@ class RedisNodes:
             self.settled(20)
         return self._role(index)
 
+    def rebalance(self) -> list[str]:
+        """Fail back every node created as a primary (``redis-0`` to ``redis-2``) that is
+        a replica now (after a promotion): on hosts, one primary per host again; returns
+        the nodes failed back."""
+        self.settled()
+        back = [i for i in range(len(self.nodes) // 2) if self._role(i) == "slave"]
+        return [f"{self.name(i)} {self.fail_back(i)}" for i in back]
+
     def roles(self, indices: list[int]) -> str:
         return ", ".join(f"{self.name(i)} {self._role(i)}" for i in indices)
 
