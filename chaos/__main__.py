@@ -34,6 +34,7 @@ from chaos.cluster import Cluster
 from chaos.hosts import Hosts
 from chaos.nemesis import Nemesis, faults_for
 from chaos.owners import handovers, read_outputs, two_owners
+from chaos.partition import layout
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, StageConfig
 from schemas.keys import Keys
@@ -136,7 +137,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         low, high = (float(v) for v in args.every.split(","))
         nemesis = Nemesis(cluster, clients, random.Random(rng.random()), started,
                           faults=args.faults.split(","), every_s=(low, high))  # fmt: skip
-        nemesis.notes.extend(await asyncio.to_thread(cluster.layout))
+        nemesis.notes.extend(await asyncio.to_thread(layout, cluster))
         stop_clients, stop_faults = asyncio.Event(), asyncio.Event()
         tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]
         await asyncio.sleep(3)  # every client's session is up before the first fault

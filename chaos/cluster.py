@@ -295,31 +295,6 @@ class Cluster:
         return [n for n in names if n in self.procs and self.procs[n].alive
                 and not self.procs[n].stopped]  # fmt: skip
 
-    def on_host(self, index: int) -> list[str]:
-        """The processes running on host ``index`` (with ``hosts``)."""
-        live = {n for n, proc in self.procs.items() if proc.alive}
-        live |= {self.redis.name(i) for i, node in enumerate(self.redis.nodes) if node.alive}
-        queue = self.redis.queue
-        live |= {"redis-queue"} if queue is not None and queue.alive else set()
-        return [n for n, at in self.placed.items() if at == index and n in live]
-
-    def layout(self) -> list[str]:
-        """Where everything runs and which node replicates which (with ``hosts``)."""
-        if self.hosts is None:
-            return []
-        lines = [f"host {i} ({self.hosts.address(i)}): {', '.join(self.on_host(i))}"
-                 for i in range(self.hosts.count)]  # fmt: skip
-        redis = self.redis
-        for primary, replica in redis.primaries_at("").items():  # every primary
-            where = (
-                "none"
-                if replica is None
-                else f"{redis.name(replica)} on host " + str(self.placed[redis.name(replica)])
-            )
-            lines.append(f"{redis.name(primary)} on host {self.placed[redis.name(primary)]} "
-                         f"replicated by {where}")  # fmt: skip
-        return lines
-
     def restart(self, name: str) -> None:
         proc = self.procs[name]
         proc.kill()

@@ -51,10 +51,10 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from chaos import partition
 from chaos.checker import Fault
 from chaos.client import ChaosClient
 from chaos.cluster import Cluster
-from chaos.hosts import DATA_HOSTS
 
 FAULTS = (
     "kill_worker", "pause_worker", "cut_worker", "kill_coordinator", "pause_coordinator",
@@ -265,45 +265,26 @@ class Nemesis:
     # -- hosts ----------------------------------------------------------------------------
 
     async def _partition(self) -> str | None:
-        hosts, redis = self.cluster.hosts, self.cluster.redis
-        if hosts is None or redis.filled:
+        if self.cluster.hosts is None or self.cluster.redis.filled:
             return None
         self._partitioned = True  # nothing else on the cluster meanwhile
-        rebalanced = await asyncio.to_thread(redis.rebalance)
-        # Clients need a coordinator on the majority side to resume on.
-        serving = self.cluster.serving_coordinators()
-        choices = [i for i in range(DATA_HOSTS)
-                   if any(self.cluster.placed.get(c) != i for c in serving)]  # fmt: skip
-        found = {i: await asyncio.to_thread(redis.primaries_at, hosts.address(i)) for i in choices}
-        choices = [i for i in choices if len(found[i]) == 1]
-        if not choices:
+        rebalanced, found = await asyncio.to_thread(partition.candidates, self.cluster)
+        if not found:
             self._partitioned = False
             return None
-        index = self.rng.choice(choices)
-        self._at = self._now()  # the partition begins now, after the failing back
-        hosts.isolate(index)
-        moved = found[index]
-        replicas = [r for r in moved.values() if r is not None]
-        promoted = await asyncio.to_thread(redis.promoted, replicas)
-        heal = self._note("partition", lambda: self._heal_host(index, list(moved)))
+        index = self.rng.choice(sorted(found))
+        self._at = self._now()  # the partition begins now, after any failing back
+        promoted = await asyncio.to_thread(partition.isolate, self.cluster, index, found[index])
+        primaries = list(found[index])
+        heal = self._note("partition", lambda: self._heal_host(index, primaries))
         self._later(self.rng.uniform(1.0, 3.0), heal)
-        nodes = ", ".join(f"{redis.name(p)} -> {'?' if r is None else redis.name(r)}"
-                          for p, r in moved.items())  # fmt: skip
-        first = f"failed back first: {', '.join(rebalanced)}; " if rebalanced else ""
-        return (f"{first}host {index} ({', '.join(self.cluster.on_host(index))}): {nodes}"
-                + ("" if promoted else " (no promotion in 20 s)"))  # fmt: skip
+        return partition.describe(self.cluster, index, found[index], promoted, rebalanced)
 
     def _heal_host(self, index: int, primaries: list[int]) -> str:
-        """Host ``index`` back on the network; what its old primaries are once the
-        cluster settled."""
-        assert self.cluster.hosts is not None
-        self.cluster.hosts.heal(index)
-        redis = self.cluster.redis
-        redis.settled(20)
-        rejoined = redis.roles(primaries)
-        back = ", ".join(f"{redis.name(p)} {redis.fail_back(p)}" for p in primaries)
-        self._partitioned = False
-        return f"host {index} healed: {rejoined}; failed back: {back}"
+        try:
+            return partition.heal(self.cluster, index, primaries)
+        finally:
+            self._partitioned = False
 
     async def heal(self) -> None:
         """Everything back: paused workers continued, the killed ones replaced."""
