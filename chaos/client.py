@@ -414,14 +414,12 @@ class ChaosClient:
     def _handle(self, event: dict[str, Any]) -> None:
         own = _own(event)
         seq = int(own.get("seq", 0))
-        kind = event.get("type")
         if seq:
-            # An event the server did not journal (an error it could not write, say:
-            # Redis is full) carries the seq of the last one it sent: new all the same.
-            if seq < self.last_seq or (seq == self.last_seq and kind != "error"):
+            if seq <= self.last_seq:
                 return  # already processed (brought again by a resume)
             self.last_seq = seq
             self._changed.set()
+        kind = event.get("type")
         epoch = int((own.get("fence") or {}).get("epoch", -1))
         self.epoch = max(self.epoch, epoch)
         if kind == "conversation.item.created":
