@@ -10,9 +10,10 @@
 
 The report (JSON, plus a Markdown table beside it) has, per client and in
 total, what the checker counted, the recovery time of each fault class, the
-faults struck and what the clients did, and what the stages published as Redis kept
-it (``chaos.owners``: outputs of two owners interleaved). The exit code is 0 only when lost,
-stale, duplicated, out-of-order, dead and stalled are all zero.
+faults struck and what the clients did, and the one-owner check of what the
+stages published as Redis kept it (``chaos.owners``). The exit code is 0 only
+when lost, stale, duplicated, out-of-order, dead and stalled are all zero and
+no stage's outputs show two owners.
 """
 
 from __future__ import annotations
@@ -77,11 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--every", default="2.5,5", help="seconds between faults: low,high (uniform)"
     )
-    parser.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="run on a Redis Cluster (3 primaries with replicas)",
-    )
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="run on a Redis Cluster (3 primaries with replicas)")  # fmt: skip
     parser.add_argument("--hosts", action="store_true",
                         help="run the cluster and the processes on simulated hosts (network "
                         "namespaces, chaos.hosts) and partition them; implies --redis-cluster; "

@@ -28,16 +28,11 @@ Fault classes (``FAULTS``; ``faults_for`` gives those of one kind of Redis):
   primary, wait until its replica is promoted, start the old one again (it
   rejoins as a replica);
 - with simulated hosts only (``--hosts``), ``partition``: a host holding a
-  primary (and the minority of the processes placed with it) cut off from
-  the others until the primary's replica is promoted, and 1 to 3 s more, then
-  healed: the old primary rejoins as a replica, and once in sync takes its
-  role back by the graceful handover (``CLUSTER FAILOVER``), so that every
-  data host holds a primary for the next partition (a primary that another
-  class moved is failed back the same way before the partition). Only a host with one
-  primary is partitioned: the other two primaries, a majority, elect its
-  replica (isolating two primaries stops the whole cluster until the heal,
-  since no majority is left to elect anyone). Classes that need the routes
-  (``cut_worker``, ``slow_redis``) do not run on hosts.
+  primary (and the minority of the processes placed with it) cut off from the
+  others until the primary's replica is promoted, and 1 to 3 s more, then
+  healed; the old primary rejoins as a replica and is failed back
+  (``chaos.partition``). Classes that need the routes (``cut_worker``,
+  ``slow_redis``) do not run on hosts.
 
 Every fault is recorded with the time it struck (when the nemesis began it),
 for the recovery figures; what a fault turned out to do, where that is known
