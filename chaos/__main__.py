@@ -5,11 +5,15 @@
     python -m chaos --seed 7 --duration 600    # a long run
     python -m chaos --faults kill_worker,kill_redis --clients 40
     python -m chaos --ci --redis-cluster       # the same on a Redis Cluster
+    python -m chaos --ci --hosts               # the cluster and processes on 4 simulated
+                                               # hosts, partitioned (root only)
 
 The report (JSON, plus a Markdown table beside it) has, per client and in
 total, what the checker counted, the recovery time of each fault class, the
-faults struck and what the clients did. The exit code is 0 only when lost,
-stale, duplicated, out-of-order, dead and stalled are all zero.
+faults struck and what the clients did, and the one-owner check of what the
+stages published as Redis kept it (``chaos.owners``). The exit code is 0 only
+when lost, stale, duplicated, out-of-order, dead and stalled are all zero and
+no stage's outputs show two owners.
 """
 
 from __future__ import annotations
@@ -28,13 +32,18 @@ from typing import Any
 from chaos.checker import COUNTS, Verdict, check, summarize
 from chaos.client import ChaosClient, ClientConfig
 from chaos.cluster import Cluster
+from chaos.hosts import Hosts
 from chaos.nemesis import Nemesis, faults_for
+from chaos.owners import handovers, read_outputs, two_owners
+from chaos.partition import layout
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig, StageConfig
 from schemas.keys import Keys
 
 CI = {"seed": 1, "duration": 75.0, "clients": 20, "coordinators": 2, "workers": 2}
 """The CI mode: a couple of minutes, every fault class, every count asserted."""
+HOSTS = 4
+"""Simulated hosts of ``--hosts``: three with the Redis Cluster's nodes, one more."""
 
 
 def nemesis_pipeline() -> PipelineConfig:
@@ -63,13 +72,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=3, help="workers per stage")
     parser.add_argument("--faults", help="fault classes, comma-separated (default: every "
                         "class the kind of Redis has: " + ", ".join(faults_for(True)) + "; "
-                        "restart_primary and promote_replica need --redis-cluster)")  # fmt: skip
+                        "restart_primary and promote_replica need --redis-cluster, "
+                        "partition needs --hosts)")  # fmt: skip
     parser.add_argument("--stall-s", type=float, default=20.0)
     parser.add_argument(
         "--every", default="2.5,5", help="seconds between faults: low,high (uniform)"
     )
     parser.add_argument("--redis-cluster", action="store_true",
                         help="run on a Redis Cluster (3 primaries with replicas)")  # fmt: skip
+    parser.add_argument("--hosts", action="store_true",
+                        help="run the cluster and the processes on simulated hosts (network "
+                        "namespaces, chaos.hosts) and partition them; implies --redis-cluster; "
+                        "needs root")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="logs and Redis data (default: a temp dir)")
     parser.add_argument("--report", type=Path, help="report path (default: WORKDIR/report.json)")
     args = parser.parse_args(argv)
@@ -81,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.seed = chosen_seed
     if args.seed is None:
         args.seed = 1
-    known = faults_for(args.redis_cluster)
+    args.redis_cluster = args.redis_cluster or args.hosts
+    known = faults_for(args.redis_cluster, args.hosts)
     args.faults = args.faults or ",".join(known)
     unknown = set(args.faults.split(",")) - set(known)
     if unknown:
@@ -106,9 +121,10 @@ async def wait_for_workers(cluster: Cluster, within_s: float = 120) -> None:
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
     cluster = Cluster(workdir, nemesis_pipeline(), coordinators=args.coordinators,
-                      workers_per_stage=args.workers, redis_cluster=args.redis_cluster)  # fmt: skip
-    await asyncio.to_thread(cluster.start)
-    try:
+                      workers_per_stage=args.workers, redis_cluster=args.redis_cluster,
+                      hosts=Hosts(HOSTS) if args.hosts else None)  # fmt: skip
+    try:  # ``stop`` takes down whatever started, the hosts last, on every way out
+        await asyncio.to_thread(cluster.start)
         await wait_for_workers(cluster)
         started = time.monotonic()
         config = ClientConfig(api_key=cluster.api_key)
@@ -119,6 +135,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         low, high = (float(v) for v in args.every.split(","))
         nemesis = Nemesis(cluster, clients, random.Random(rng.random()), started,
                           faults=args.faults.split(","), every_s=(low, high))  # fmt: skip
+        nemesis.notes.extend(await asyncio.to_thread(layout, cluster))
         stop_clients, stop_faults = asyncio.Event(), asyncio.Event()
         tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]
         await asyncio.sleep(3)  # every client's session is up before the first fault
@@ -130,11 +147,20 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stop_clients.set()  # each client finishes the input it is on, then stops
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - started
+        keys = Keys(cluster.settings.key_prefix, cluster=args.redis_cluster)
+        sessions = [c.session_id for c in clients if c.session_id]
+        published = await read_outputs(cluster.settings.redis_url, keys, cluster.pipeline,
+                                       sessions)  # fmt: skip
     finally:
         await asyncio.to_thread(cluster.stop)
     verdict = check([c.history for c in clients], nemesis.log, stall_s=args.stall_s)
     write_histories(workdir / "histories.jsonl", clients)
-    return report(args, verdict, clients, nemesis, elapsed)
+    result = report(args, verdict, clients, nemesis, elapsed)
+    owners = two_owners(published)
+    result["owners"] = {"outputs": len(published), "handovers": handovers(published),
+                        "two_owners": len(owners), "examples": owners[:10]}  # fmt: skip
+    result["ok"] = result["ok"] and not owners
+    return result
 
 
 def write_histories(path: Path, clients: list[ChaosClient]) -> None:
@@ -164,7 +190,9 @@ def report(
         "clients": args.clients,
         "coordinators": args.coordinators,
         "workers_per_stage": args.workers,
-        "redis": "cluster" if args.redis_cluster else "single",
+        "redis": ("cluster on hosts" if args.hosts else "cluster")
+        if args.redis_cluster
+        else "single",
         "totals": dict(verdict.totals),
         "recovery": verdict.recovery_summary(),
         "faults": {
@@ -208,6 +236,13 @@ def markdown(result: dict[str, Any]) -> str:
         rec = result["recovery"].get(kind, {})
         lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} |")
     ops = result["operations"]
+    owners = result.get("owners", {})
+    lines += [
+        "",
+        f"outputs in Redis {owners.get('outputs', 0)} (handovers {owners.get('handovers', 0)}), "
+        f"of two owners {owners.get('two_owners', 0)}",
+        *(f"- {e}" for e in owners.get("examples", [])),
+    ]
     notes = [f"- {note}" for note in result.get("notes", [])]
     lines += ["", "notes:", *notes] if notes else []
     lines += [

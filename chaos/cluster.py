@@ -8,6 +8,11 @@ Each process can be killed with SIGKILL, stopped with SIGSTOP, continued and
 started again (Redis on its AOF, a coordinator on its port, a worker under a
 new id). Each of them but Redis reaches the data plane's Redis through a route
 of its own (``chaos.proxy``), which the nemesis can cut or slow down.
+
+With ``hosts`` (the ``--hosts`` mode, on a Redis Cluster) every process runs on
+a simulated host (``chaos.hosts``: a network namespace with its own address)
+placed by ``chaos.hosts.place``, and reaches Redis directly on the hosts'
+addresses: no routes; the nemesis partitions hosts instead.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos.hosts import Hosts, place
 from chaos.proxy import Proxies, Route
-from chaos.redis_nodes import RedisNodes
+from chaos.redis_nodes import LOCAL, RedisNodes
 from schemas.config import PipelineConfig, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,15 +84,15 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def wait_port(port: int, within_s: float) -> None:
+def wait_port(host: str, port: int, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            socket.create_connection((host, port), timeout=0.2).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {within_s} s")
+    raise RuntimeError(f"nothing listens on {host}:{port} after {within_s} s")
 
 
 @dataclass
@@ -151,6 +157,11 @@ class Cluster:
     api_key: str = "nemesis"
     redis_cluster: bool = False
     """Run on a Redis Cluster (3 primaries, 3 replicas) instead of one Redis."""
+    hosts: Hosts | None = None
+    """Simulated hosts the processes run on (opened by ``start``, closed by ``stop``);
+    None: every process on this machine's loopback, through its route."""
+    placed: dict[str, int] = field(default_factory=dict)
+    """Process name -> the host it runs on (with ``hosts``)."""
     redis: RedisNodes = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
@@ -163,7 +174,8 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         ports = cluster_port if self.redis_cluster else free_port
-        self.redis = RedisNodes(self.workdir, self._bare, ports, cluster=self.redis_cluster)
+        self.redis = RedisNodes(self.workdir, self._bare, ports, cluster=self.redis_cluster,
+                                place=self.address)  # fmt: skip
         self.settings = Settings().model_copy(
             update={
                 "redis_url": self.redis.url,
@@ -175,13 +187,27 @@ class Cluster:
         self.pipeline_path = self.workdir / "pipeline.json"
         self.pipeline_path.write_text(self.pipeline.model_dump_json())
 
+    def address(self, name: str) -> str:
+        """The address process ``name`` listens on: its host's, or loopback."""
+        if self.hosts is None:
+            return LOCAL
+        index = self.placed.setdefault(name, place(name, self._spawned))
+        return self.hosts.address(index)
+
+    def _on_host(self, name: str, args: list[str]) -> list[str]:
+        if self.hosts is None:
+            return args
+        self.address(name)  # placed
+        return self.hosts.command(self.placed[name], args)
+
     def _bare(self, name: str, args: list[str]) -> Proc:
-        return Proc(name, args, self.workdir / "logs" / f"{name}.log", dict(os.environ))
+        log = self.workdir / "logs" / f"{name}.log"
+        return Proc(name, self._on_host(name, args), log, dict(os.environ))
 
     def _proc(self, name: str, args: list[str]) -> Proc:
         settings = self.settings.model_copy(update={"redis_url": self._routed_url(name)})
         env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
-        return Proc(name, args, self.workdir / "logs" / f"{name}.log", env)
+        return Proc(name, self._on_host(name, args), self.workdir / "logs" / f"{name}.log", env)
 
     def _routed_url(self, name: str) -> str:
         """The data plane's URL as process ``name`` sees it: through its own route."""
@@ -201,19 +227,23 @@ class Cluster:
     # -- starting ------------------------------------------------------------------
 
     def start(self) -> None:
-        self.proxies = Proxies()
+        if self.hosts is None:
+            self.proxies = Proxies()
+        else:
+            self.hosts.open()
         self.redis.start(wait_port)
         self._add("control", ["-m", "coordinator.cli", "control"])
         for i in range(self.coordinators):
             port = free_port()
             name = f"coordinator-{i}"
             self.ports[name] = port
-            self._add(name, ["-m", "coordinator.cli", "coordinator", "--port", str(port)])
+            self._add(name, ["-m", "coordinator.cli", "coordinator", "--port", str(port),
+                             "--host", self.address(name)])  # fmt: skip
         for stage in self.pipeline.stage_names:
             for _ in range(self.workers_per_stage):
                 self.add_worker(stage)
-        for port in self.ports.values():
-            wait_port(port, 60)
+        for name, port in self.ports.items():
+            wait_port(self.address(name), port, 60)
 
     def _add(self, name: str, args: list[str]) -> Proc:
         full = [sys.executable, *args, "--pipeline", str(self.pipeline_path)]
@@ -233,13 +263,12 @@ class Cluster:
 
     def endpoints_by_name(self) -> dict[str, str]:
         """Each coordinator's ws:// base."""
-        return {name: f"ws://127.0.0.1:{port}" for name, port in self.ports.items()}
+        return {name: f"ws://{self.address(name)}:{port}" for name, port in self.ports.items()}
 
     def endpoints(self) -> list[str]:
         """ws:// bases of the coordinators that are running."""
-        return [
-            f"ws://127.0.0.1:{port}" for name, port in self.ports.items() if self.procs[name].alive
-        ]
+        bases = self.endpoints_by_name()
+        return [bases[name] for name in self.ports if self.procs[name].alive]
 
     def workers(self, *, running: bool = True) -> list[str]:
         return [
@@ -252,8 +281,13 @@ class Cluster:
         return list(self.ports)
 
     def serving_coordinators(self) -> list[str]:
-        """Coordinators running and not stopped."""
-        return [n for n in self.ports if self.procs[n].alive and not self.procs[n].stopped]
+        """Coordinators running, not stopped and not cut off on an isolated host."""
+        return [n for n in self.ports if self.procs[n].alive and not self.procs[n].stopped
+                and not self.isolated(n)]  # fmt: skip
+
+    def isolated(self, name: str) -> bool:
+        """Whether process ``name`` runs on a host that is partitioned off now."""
+        return self.hosts is not None and self.placed.get(name) in self.hosts.isolated
 
     def routed(self) -> list[str]:
         """Processes running with a route of their own (not stopped)."""
@@ -277,3 +311,5 @@ class Cluster:
         if self.proxies is not None:
             self.proxies.stop()
         self.redis.stop()
+        if self.hosts is not None:
+            self.hosts.close()

@@ -26,7 +26,13 @@ Fault classes (``FAULTS``; ``faults_for`` gives those of one kind of Redis):
 - on a cluster only, ``restart_primary``: SIGKILL a primary and start it again
   before the node timeout (no failover), and ``promote_replica``: SIGKILL a
   primary, wait until its replica is promoted, start the old one again (it
-  rejoins as a replica).
+  rejoins as a replica);
+- with simulated hosts only (``--hosts``), ``partition``: a host holding a
+  primary (and the minority of the processes placed with it) cut off from the
+  others until the primary's replica is promoted, and 1 to 3 s more, then
+  healed; the old primary rejoins as a replica and is failed back
+  (``chaos.partition``). Classes that need the routes (``cut_worker``,
+  ``slow_redis``) do not run on hosts.
 
 Every fault is recorded with the time it struck (when the nemesis began it),
 for the recovery figures; what a fault turned out to do, where that is known
@@ -40,6 +46,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from chaos import partition
 from chaos.checker import Fault
 from chaos.client import ChaosClient
 from chaos.cluster import Cluster
@@ -47,15 +54,24 @@ from chaos.cluster import Cluster
 FAULTS = (
     "kill_worker", "pause_worker", "cut_worker", "kill_coordinator", "pause_coordinator",
     "drop_socket", "slow_redis", "redis_oom", "kill_redis", "restart_primary",
-    "promote_replica",
+    "promote_replica", "partition",
 )  # fmt: skip
 CLUSTER_ONLY = ("restart_primary", "promote_replica")
 """Classes that need a Redis Cluster (a primary and its replica)."""
+HOSTS_ONLY = ("partition",)
+"""Classes that need simulated hosts (``chaos.hosts``)."""
+ROUTED_ONLY = ("cut_worker", "slow_redis")
+"""Classes that act on a process's route to Redis (not there on hosts)."""
+ON_REDIS = ("redis_oom", "kill_redis", "restart_primary", "promote_replica", "partition")
+"""Classes that strike the Redis Cluster's nodes: one at a time."""
 
 
-def faults_for(redis_cluster: bool) -> tuple[str, ...]:
-    """The fault classes a run on one Redis (or on a cluster) strikes."""
-    return FAULTS if redis_cluster else tuple(f for f in FAULTS if f not in CLUSTER_ONLY)
+def faults_for(redis_cluster: bool, hosts: bool = False) -> tuple[str, ...]:
+    """The fault classes a run on one Redis (or on a cluster, or on hosts) strikes."""
+    if hosts:
+        return tuple(f for f in FAULTS if f not in ROUTED_ONLY)
+    left_out = HOSTS_ONLY if redis_cluster else CLUSTER_ONLY + HOSTS_ONLY
+    return tuple(f for f in FAULTS if f not in left_out)
 
 
 class Nemesis:
@@ -73,12 +89,17 @@ class Nemesis:
         self.clients = clients
         self.rng = rng
         self.started = started
-        self.faults = list(faults or faults_for(cluster.redis_cluster))
+        self.faults = list(faults or faults_for(cluster.redis_cluster, cluster.hosts is not None))
         self.every_s = every_s
         self.log: list[Fault] = []
         self.notes: list[str] = []
         """What faults turned out to do, learnt after they struck."""
         self._healing: set[asyncio.Task[None]] = set()
+        self._partitioned = False
+        """A host is partitioned, or healed but its old primary not failed back yet."""
+        self._at = 0.0
+        """When the fault being struck began (a class that prepares first moves it to
+        the moment the fault itself begins)."""
 
     def _now(self) -> float:
         return time.monotonic() - self.started
@@ -104,10 +125,12 @@ class Nemesis:
 
     async def strike(self, kind: str) -> bool:
         """Strike one fault of class ``kind``; False when there was nothing to strike."""
-        at = self._now()
+        self._at = self._now()
+        if kind in ON_REDIS and self._partitioned:
+            return False  # one fault on the cluster at a time
         target = await getattr(self, f"_{kind}")()
         if target is not None:
-            self.log.append(Fault(at, kind, target))
+            self.log.append(Fault(self._at, kind, target))
         return target is not None
 
     def _later(self, delay_s: float, heal: Callable[[], object]) -> None:
@@ -234,9 +257,36 @@ class Nemesis:
                     self._note("promote_replica", lambda: redis.rejoin(index)))  # fmt: skip
         return target
 
+    # -- hosts ----------------------------------------------------------------------------
+
+    async def _partition(self) -> str | None:
+        if self.cluster.hosts is None or self.cluster.redis.filled:
+            return None
+        self._partitioned = True  # nothing else on the cluster meanwhile
+        rebalanced, found = await asyncio.to_thread(partition.candidates, self.cluster)
+        if not found:
+            self._partitioned = False
+            return None
+        index = self.rng.choice(sorted(found))
+        self._at = self._now()  # the partition begins now, after any failing back
+        promoted = await asyncio.to_thread(partition.isolate, self.cluster, index, found[index])
+        primaries = list(found[index])
+        heal = self._note("partition", lambda: self._heal_host(index, primaries))
+        self._later(self.rng.uniform(1.0, 3.0), heal)
+        return partition.describe(self.cluster, index, found[index], promoted, rebalanced)
+
+    def _heal_host(self, index: int, primaries: list[int]) -> str:
+        try:
+            return partition.heal(self.cluster, index, primaries)
+        finally:
+            self._partitioned = False
+
     async def heal(self) -> None:
         """Everything back: paused workers continued, the killed ones replaced."""
         await asyncio.gather(*self._healing)
+        hosts = self.cluster.hosts
+        for index in list(hosts.isolated if hosts is not None else ()):
+            await asyncio.to_thread(self._heal_host, index, [])
         for proc in self.cluster.procs.values():
             if proc.stopped:
                 proc.resume()

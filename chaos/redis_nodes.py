@@ -30,6 +30,9 @@ from typing import Protocol
 from schemas.config import REDIS_PERSISTENCE
 
 NODE_TIMEOUT_MS = 1000
+LOCAL = "127.0.0.1"
+CLI_TIMEOUT_S = 2.0
+"""Longest a ``redis-cli`` call of the nemesis waits (a partitioned node never answers)."""
 OOM_MARGIN_BYTES = 64 * 1024
 """How far above its used memory a filled Redis's ``maxmemory`` is set."""
 
@@ -45,6 +48,8 @@ class Process(Protocol):
 
 ProcFactory = Callable[[str, list[str]], Process]
 """Makes a named child process from its command line (``chaos.cluster.Cluster._proc``)."""
+Placement = Callable[[str], str]
+"""The address a named node listens on: its host's (``chaos.hosts``), or loopback."""
 
 
 def _binary(name: str) -> str:
@@ -54,11 +59,17 @@ def _binary(name: str) -> str:
     return found
 
 
-def _server_args(port: int, data: Path, extra: list[str]) -> list[str]:
+def _server_args(port: int, data: Path, extra: list[str], host: str = LOCAL) -> list[str]:
     data.mkdir(parents=True, exist_ok=True)
+    # On a simulated host (``chaos.hosts``) the node listens on the host's address, is
+    # reached from other hosts (no protected mode: no password here) and tells the
+    # other nodes that address.
+    remote = [] if host == LOCAL else ["--protected-mode", "no"]
+    announce = ["--cluster-announce-ip", host] if remote and "--cluster-enabled" in extra else []
     return [
-        _binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-        *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction", *extra,
+        _binary("redis-server"), "--port", str(port), "--bind", host, "--dir", str(data),
+        *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction", *extra, *remote,
+        *announce,
     ]  # fmt: skip
 
 
@@ -66,7 +77,7 @@ class RedisNodes:
     """Start, bounce and stop the run's Redis processes."""
 
     def __init__(self, workdir: Path, make: ProcFactory, ports: Callable[[], int], *,
-                 cluster: bool) -> None:  # fmt: skip
+                 cluster: bool, place: Placement = lambda name: LOCAL) -> None:  # fmt: skip
         self.cluster = cluster
         self.ports = [ports() for _ in range(6 if cluster else 1)]
         extra = (
@@ -75,17 +86,17 @@ class RedisNodes:
             if cluster else []
         )  # fmt: skip
         names = [f"redis-{i}" if cluster else "redis" for i in range(len(self.ports))]
+        self.hosts = [place(name) for name in names]
         self.nodes = [
-            make(name, _server_args(port, workdir / name, extra))
-            for name, port in zip(names, self.ports, strict=True)
+            make(name, _server_args(port, workdir / name, extra, host))
+            for name, port, host in zip(names, self.ports, self.hosts, strict=True)
         ]
         self._filled: dict[int, int] = {}
         """Filled nodes -> their count of memory refusals when filled."""
         self.queue_port = ports()
-        self.queue = (
-            make("redis-queue", _server_args(self.queue_port, workdir / "redis-queue", []))
-            if cluster else None
-        )  # fmt: skip
+        self.queue_host = place("redis-queue")
+        queue_args = _server_args(self.queue_port, workdir / "redis-queue", [], self.queue_host)
+        self.queue = make("redis-queue", queue_args) if cluster else None
 
     @property
     def url(self) -> str:
@@ -95,27 +106,32 @@ class RedisNodes:
         """The data plane's URL with each node's port replaced by ``ports[port]`` (a
         process's own route to it)."""
         if not self.cluster:
-            return f"redis://127.0.0.1:{ports[self.ports[0]]}/0"
+            return f"redis://{self.hosts[0]}:{ports[self.ports[0]]}/0"
         # Several seeds: a process (re)started while a killed node is down still
         # reaches the cluster.
-        seeds = ",".join(f"127.0.0.1:{ports[port]}" for port in self.ports[:3])
+        seeds = ",".join(f"{self._host(port)}:{ports[port]}" for port in self.ports[:3])
         return f"redis+cluster://{seeds}/0"
 
     @property
     def queue_url(self) -> str:
-        return f"redis://127.0.0.1:{self.queue_port}/0" if self.queue is not None else ""
+        queue = f"redis://{self.queue_host}:{self.queue_port}/0"
+        return queue if self.queue is not None else ""
 
-    def start(self, wait_port: Callable[[int, float], None]) -> None:
+    def _host(self, port: int) -> str:
+        """The address of the node listening on ``port`` (ports are unique in a run)."""
+        return self.queue_host if port == self.queue_port else self.hosts[self.ports.index(port)]
+
+    def start(self, wait_port: Callable[[str, int, float], None]) -> None:
         for node in [*self.nodes, *([self.queue] if self.queue else [])]:
             node.start()
         for port in self.ports:
-            wait_port(port, 10)
+            wait_port(self._host(port), port, 10)
         if self.queue is not None:
-            wait_port(self.queue_port, 10)
+            wait_port(self.queue_host, self.queue_port, 10)
         if self.cluster:
             subprocess.run(
                 [_binary("redis-cli"), "--cluster", "create",
-                 *(f"127.0.0.1:{port}" for port in self.ports),
+                 *(f"{self._host(port)}:{port}" for port in self.ports),
                  "--cluster-replicas", "1", "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
@@ -129,10 +145,15 @@ class RedisNodes:
             time.sleep(0.1)
         raise RuntimeError(f"the Redis Cluster is not ok after {within_s} s")
 
-    @staticmethod
-    def _cli(port: int, *args: str) -> str:
-        command = [_binary("redis-cli"), "-p", str(port), *args]
-        return subprocess.run(command, check=False, capture_output=True, text=True).stdout
+    def _cli(self, port: int, *args: str) -> str:
+        """A command's reply, or "" when the node did not answer in time."""
+        command = [_binary("redis-cli"), "-h", self._host(port), "-p", str(port), *args]
+        try:
+            return subprocess.run(
+                command, check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+            ).stdout
+        except subprocess.TimeoutExpired:
+            return ""
 
     def _ok(self, port: int) -> bool:
         info = self._cli(port, "cluster", "info")
@@ -197,6 +218,45 @@ class RedisNodes:
                 return index, f"{self.name(index)} -> {self.name(replica)}"
             time.sleep(0.05)
         return index, f"{self.name(index)} (no promotion in {within_s:g} s)"
+
+    def primaries_at(self, host: str) -> dict[int, int | None]:
+        """The primaries listening on ``host`` (any host: "") -> the node replicating
+        each (if any)."""
+        at = [i for i in self._with_role("master") if host in ("", self.hosts[i])]
+        return {index: self._replica_of(index) for index in at}
+
+    def promoted(self, replicas: list[int], within_s: float = 20) -> bool:
+        """Wait (at most ``within_s``) until every one of ``replicas`` is a primary."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if all(self._role(index) == "master" for index in replicas):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def fail_back(self, index: int, within_s: float = 10) -> str:
+        """Make node ``index`` (a replica again) its primary's primary once more by the
+        graceful handover (``CLUSTER FAILOVER``: the primary stops taking writes until
+        the replica has them all, then they swap, nothing lost); returns its role."""
+        self.settled(20)
+        if self._role(index) == "slave":
+            self._cli(self.ports[index], "cluster", "failover")
+            deadline = time.monotonic() + within_s
+            while time.monotonic() < deadline and self._role(index) != "master":
+                time.sleep(0.05)
+            self.settled(20)
+        return self._role(index)
+
+    def rebalance(self) -> list[str]:
+        """Fail back every node created as a primary (``redis-0`` to ``redis-2``) that is
+        a replica now (after a promotion): on hosts, one primary per host again; returns
+        the nodes failed back."""
+        self.settled()
+        back = [i for i in range(len(self.nodes) // 2) if self._role(i) == "slave"]
+        return [f"{self.name(i)} {self.fail_back(i)}" for i in back]
+
+    def roles(self, indices: list[int]) -> str:
+        return ", ".join(f"{self.name(i)} {self._role(i)}" for i in indices)
 
     def rejoin(self, index: int) -> str:
         """Start a killed node again (on its AOF and its cluster configuration); returns

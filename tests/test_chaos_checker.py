@@ -115,3 +115,17 @@ def test_a_client_idle_when_its_socket_dropped_recovers_with_its_next_answer():
     ops += [Op("send", 1.05, B), Op("resume", 1.2), Op("ack", 1.25, B), *answered(B, 1.3)]
     verdict = check([history(*ops)], [Fault(1.0, "drop_socket", "client-0")])
     assert [round(t, 3) for t in verdict.recovery["drop_socket"]] == [0.3]
+
+
+def test_outputs_of_one_owner_at_a_time_pass_and_interleaved_owners_are_found():
+    from chaos.owners import handovers, two_owners
+
+    # One stream: owner of incarnation 1, a takeover (2), its seqs restarting; the
+    # thinker's outputs in another stream are judged on their own.
+    clean = [("s:out", "talker", 1, 1), ("s:out", "talker", 1, 2), ("s:st", "thinker", 1, 9),
+             ("s:out", "talker", 2, 1), ("s:out", "talker", 2, 2)]  # fmt: skip
+    assert two_owners(clean) == [] and handovers(clean) == 1
+    zombie = [*clean, ("s:out", "talker", 1, 3)]  # the old owner's publish landed late
+    same_incarnation = [*clean, ("s:out", "talker", 2, 2)]  # two publishers, one seq
+    assert two_owners(zombie) == ["s:out talker: inc 1 seq 3 after inc 2 seq 2"]
+    assert two_owners(same_incarnation) == ["s:out talker: inc 2 seq 2 after inc 2 seq 2"]
