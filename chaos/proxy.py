@@ -143,13 +143,27 @@ class Route:
     async def close(self) -> None:
         for server in self._servers:
             server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Every connection's task (those still connecting upstream included) ends here,
+        # with both its sockets closed, before the proxies' loop stops.
+        while self._tasks:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for server in self._servers:
             await server.wait_closed()
 
     async def _serve(
+        self, upstream: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._forward(upstream, reader, writer)
+        finally:
+            self._tasks.discard(task)
+
+    async def _forward(
         self, upstream: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
@@ -157,6 +171,9 @@ class Route:
         except OSError:  # Redis is down: the process sees its connection refused
             writer.transport.abort()
             return
+        except asyncio.CancelledError:  # the route closes while this one connects
+            writer.transport.abort()
+            raise
         rewriter = AddressRewriter(self.host, self.ports) if self._rewrite else None
         pipes = [
             asyncio.create_task(self._pipe(reader, up_writer, requests=True)),
@@ -170,10 +187,7 @@ class Route:
                 task.cancel()
             await asyncio.gather(*pipes, return_exceptions=True)
             self._tasks.difference_update(pipes)
-            for side in (writer, up_writer):
-                side.close()
-                with contextlib.suppress(Exception):
-                    await side.wait_closed()
+            await _close(writer, up_writer)
 
     async def _pipe(
         self,
@@ -214,6 +228,31 @@ class Route:
         return out
 
 
+async def _settle() -> None:
+    """Let the loop finish what the routes' closing started (the connection-lost
+    callbacks of the sockets just closed) before it stops."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def _close(*sides: asyncio.StreamWriter) -> None:
+    """Close both ends of a connection, flushing what was written to them; one whose
+    flush cannot end (its peer stopped reading, or the route is closing) is aborted so
+    that no socket outlives the proxies' loop."""
+    for side in sides:
+        side.close()
+    try:
+        async with asyncio.timeout(1):
+            for side in sides:
+                with contextlib.suppress(Exception):
+                    await side.wait_closed()
+    except TimeoutError:
+        pass
+    finally:
+        for side in sides:
+            side.transport.abort()  # does nothing to one already closed
+
+
 class Proxies:
     """Every route of a run, served by one event loop on a thread of its own."""
 
@@ -243,6 +282,7 @@ class Proxies:
             return
         for route in self.routes.values():
             self._call(route.close)
+        self._call(_settle)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
