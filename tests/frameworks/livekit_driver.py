@@ -37,13 +37,19 @@ class Watch:
         self.generations: list[llm.GenerationCreatedEvent] = []
         self.speech_started = 0
         self.server_events: list[str] = []
+        self.statuses: list[str] = []
         session.on("error", lambda ev: self.errors.append(str(getattr(ev, "error", ev))))
         session.on("generation_created", self.generations.append)
         session.on("input_speech_started", lambda _ev: self._started())
-        session.on("openai_server_event_received", lambda ev: self.server_events.append(ev["type"]))
+        session.on("openai_server_event_received", self._received)
 
     def _started(self) -> None:
         self.speech_started += 1
+
+    def _received(self, event: dict[str, Any]) -> None:
+        self.server_events.append(event["type"])
+        if event["type"] == "response.done":
+            self.statuses.append(event["response"]["status"])
 
 
 async def read_generation(gen: llm.GenerationCreatedEvent) -> dict[str, Any]:
