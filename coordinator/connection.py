@@ -43,6 +43,7 @@ from coordinator.realtime import (
     invalid_event,
     parse_client_event,
     server_seq,
+    spoken_item,
 )
 from coordinator.resume import replay_journal
 from coordinator.turn_clock import TurnClock
@@ -492,6 +493,8 @@ class Connection:
         self.uncommitted = False
         if announce:
             await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
+            for event in spoken_item(f"item_{receipt}"):
+                await self._journal(event)
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})

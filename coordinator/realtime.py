@@ -254,7 +254,8 @@ class ServerEventTranslator:
             # transcript, as the reference API does (the turn's done then says nothing).
             return [stopped, {"type": "input_audio_buffer.committed",
                               "item_id": stopped["item_id"],
-                              EXTENSION: {"stage": out.stage}}]  # fmt: skip
+                              EXTENSION: {"stage": out.stage}},
+                    *spoken_item(speech_item(out))]  # fmt: skip
         if kind is OutputKind.ERROR:
             code = str(out.meta.get("code", ErrorCode.STAGE_ERROR.value))
             error = error_event(code, out.text)
@@ -294,10 +295,30 @@ class ServerEventTranslator:
             # the voice activity stage ended when its speech stopped.
             announced = "commit_seq" in out.meta or "segment" in out.meta
             if out.meta.get("turn_end") and not announced:
-                return [{"type": "input_audio_buffer.committed", "item_id": speech_item(out),
-                         EXTENSION: {"stage": out.stage}}]  # fmt: skip
+                item_id = speech_item(out)
+                return [{"type": "input_audio_buffer.committed", "item_id": item_id,
+                         EXTENSION: {"stage": out.stage}}, *spoken_item(item_id)]  # fmt: skip
             return []
         return self._frame(self.life.step(Item.FINAL_DONE, response_id(out.fence)))
+
+
+def spoken_item(item_id: str) -> list[ServerEvent]:
+    """The user's spoken item joining the conversation when its turn is committed, as the
+    reference API announces it: added, then done, its transcript still unknown (it comes
+    in ``conversation.item.input_audio_transcription.completed``). Clients that keep the
+    conversation (LiveKit's chat context) learn of the item here."""
+    item = {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_audio", "transcript": None}],
+    }
+    return [
+        {"type": "conversation.item.added", "item": item},
+        {"type": "conversation.item.done", "item": item},
+    ]
 
 
 def _ms_of(audio: OutputEvent) -> float:

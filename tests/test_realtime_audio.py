@@ -107,6 +107,13 @@ async def test_with_turn_detection_off_only_the_clients_commit_ends_the_turn(set
     assert [e["item_id"] for e in heard] == [committed[0]["item_id"]]
     assert words(heard[0]["transcript"]) == ["please", "book", "a", "table", "for", "two"]
     assert seen[-1]["response"]["status"] == "completed"
+    # The committed speech joined the conversation as the user's item, added then done.
+    spoken = [e for e in seen if e["type"].startswith("conversation.item.")
+              and e.get("item", {}).get("role") == "user"]  # fmt: skip
+    assert [(e["type"], e["item"]["id"]) for e in spoken] == [
+        ("conversation.item.added", committed[0]["item_id"]),
+        ("conversation.item.done", committed[0]["item_id"]),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["audio/pcmu", "audio/pcma"])

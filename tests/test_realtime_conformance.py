@@ -155,12 +155,19 @@ def test_speech_events_carry_their_times_and_one_item_id_per_utterance():
         _out(5, OutputKind.TRANSCRIPT, stage="asr", text="hello",
              meta={"segment": 1, "audio_seconds": 1.52}),
     ]  # fmt: skip
-    started, stopped, committed, by_commit, heard = _validated(_translate(utterance))
+    events = _validated(_translate(utterance))
+    started, stopped, committed, added, done, by_commit, *by_commit_item, heard = events
     assert started["audio_start_ms"] == 320 and stopped["audio_end_ms"] == 1840
     assert started["item_id"] == stopped["item_id"] == committed["item_id"] == heard["item_id"]
     assert heard["transcript"] == "hello" and heard["usage"]["seconds"] == 1.52
     assert committed["type"] == by_commit["type"] == "input_audio_buffer.committed"
     assert by_commit["item_id"] != committed["item_id"]
+    # Each committed turn's spoken item joins the conversation, its transcript to come.
+    assert [added["type"], done["type"]] == ["conversation.item.added", "conversation.item.done"]
+    assert added["item"]["id"] == done["item"]["id"] == committed["item_id"]
+    assert added["item"]["role"] == "user"
+    assert added["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+    assert [e["item"]["id"] for e in by_commit_item] == [by_commit["item_id"]] * 2
 
 
 def test_every_server_event_has_a_unique_event_id():
