@@ -26,14 +26,14 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from coordinator import conversation
+from coordinator import conversation, socket_io
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
-from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
+from coordinator.outbound import OVERFLOW_CLOSE_CODE, Outbound, Outgoing
 from coordinator.realtime import (
     EXTENSION,
     ServerEventTranslator,
@@ -45,6 +45,7 @@ from coordinator.realtime import (
     server_seq,
 )
 from coordinator.resume import replay_journal
+from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
@@ -93,14 +94,6 @@ if TYPE_CHECKING:
     from coordinator.hub import Hub
 
 log = logging.getLogger("duplexq.coordinator")
-
-
-class Socket(Protocol):
-    """The part of a WebSocket a connection uses (Starlette's fits)."""
-
-    async def receive_text(self) -> str: ...
-    async def send_json(self, data: Any) -> None: ...
-    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
 
 
 def token_hash(token: str) -> str:
@@ -185,14 +178,16 @@ class Connection:
             self.outbound.put(item)
 
     async def _close_when_overflowed(self, pump: asyncio.Task[None]) -> None:
-        """A client that stopped reading: stop sending and close with 4008; its receive
-        loop then ends and the session waits for a resume."""
+        """A client that stopped reading: stop sending and close with 4008
+        (``coordinator.socket_io``); its receive loop then ends and the session waits
+        for a resume."""
         await self.outbound.overflowed.wait()
         self.closed = True
         pump.cancel()
-        log.warning("session %s: %s; closing its connection", self.session_id, OVERFLOW_REASON)
-        with contextlib.suppress(Exception):
-            await self.socket.close(code=OVERFLOW_CLOSE_CODE, reason=OVERFLOW_REASON)
+        reason = self.outbound.reason
+        log.warning("session %s: %s; closing its connection", self.session_id, reason)
+        wait_s = self.hub.settings.client_close_wait_ms / 1000
+        await socket_io.close_stalled(self.socket, OVERFLOW_CLOSE_CODE, reason, wait_s)
 
     async def evict(self, reason: str) -> None:
         """Another connection serves the session now: stop sending and close this socket
@@ -209,12 +204,12 @@ class Connection:
     async def _first_event(self) -> ClientEvent | None:
         wait_s = self.hub.settings.first_event_wait_ms / 1000
         try:
-            raw = await asyncio.wait_for(self.socket.receive_text(), wait_s)
+            raw = await asyncio.wait_for(socket_io.receive(self.socket), wait_s)
         except TimeoutError:
             return None
         self._first_raw = raw
         try:
-            return parse_client_event(raw, self.hub.settings.max_event_bytes)
+            return parse_client_event(socket_io.text_of(raw), self.hub.settings.max_event_bytes)
         except ProtocolError as exc:
             self._early_error = exc
             return None
@@ -311,12 +306,12 @@ class Connection:
     async def _receive(self) -> None:
         while not self.closed:
             try:
-                raw = await self.socket.receive_text()
+                raw = await socket_io.receive(self.socket)
             except Exception:  # the client went away (WebSocketDisconnect and kin)
                 return
             await self._process(raw)
 
-    async def _process(self, raw: str, event: ClientEvent | None = None) -> None:
+    async def _process(self, raw: str | bytes, event: ClientEvent | None = None) -> None:
         """Take one client event within the connection's limits, or answer an error."""
         settings = self.hub.settings
         try:
@@ -326,7 +321,7 @@ class Connection:
                     f"{settings.event_burst}); this event was refused, slow down"
                 )
             if event is None:
-                event = parse_client_event(raw, settings.max_event_bytes)
+                event = parse_client_event(socket_io.text_of(raw), settings.max_event_bytes)
             cost = self.limits.budget.cost(event)
             if not isinstance(event, CONTROL_EVENTS):
                 await self._check_backpressure(cost)
@@ -539,7 +534,8 @@ class Connection:
                 # Not journaled: no place in the session (no duplexq.seq), never replayed.
                 # With the seq of the last event sent, a client that drops what it has
                 # processed (seq at most its last) dropped it: an error never heard.
-                await self.socket.send_json({**item, "event_id": _fresh_event_id()})
+                if not await self._send({**item, "event_id": _fresh_event_id()}):
+                    return
                 continue
             delivery = item
             event = delivery.event
@@ -549,11 +545,21 @@ class Connection:
                 if server_event["type"] == "response.done":
                     ended = int(server_event[EXTENSION]["fence"]["response_seq"])
                     self._ended_up_to = max(self._ended_up_to, ended)
-                await self.socket.send_json(server_event)
+                if not await self._send(server_event):
+                    return
                 self._sent_seq = server_seq(server_event)
                 measured = self.turn_clock.sent(server_event, time.monotonic())
                 if measured is not None:
                     FIRST_OUTPUT.labels(turn=measured[0]).observe(measured[1])
+
+    async def _send(self, server_event: dict[str, Any]) -> bool:
+        """Send within ``client_send_timeout_ms``; a client that does not take it is
+        closed with 4008 (``_close_when_overflowed``): False."""
+        timeout_s = self.hub.settings.client_send_timeout_ms / 1000
+        if await socket_io.send(self.socket, server_event, timeout_s):
+            return True
+        self.outbound.stall()
+        return False
 
 
 def _fresh_event_id() -> str:
@@ -562,7 +568,7 @@ def _fresh_event_id() -> str:
     return f"event_{secrets.token_hex(8)}"
 
 
-def _client_event_id(raw: str) -> str | None:
+def _client_event_id(raw: str | bytes) -> str | None:
     """The ``event_id`` a client gave the event it sent, when it parses as one."""
     try:
         data = json.loads(raw)
