@@ -28,8 +28,6 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from coordinator import conversation, socket_io
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
@@ -40,7 +38,6 @@ from coordinator.realtime import (
     audio_payload,
     error_event,
     image_payload,
-    invalid_event,
     parse_client_event,
     server_seq,
 )
@@ -88,7 +85,8 @@ from schemas.realtime import (
     SessionUpdate,
     VideoAppend,
 )
-from schemas.session_shape import merged, session_object, stage_settings
+from schemas.session_fields import judged
+from schemas.session_shape import session_object, stage_settings
 
 if TYPE_CHECKING:
     from coordinator.hub import Hub
@@ -339,7 +337,8 @@ class Connection:
         lasts, else send it to the socket only; it names the client event it answers
         when that had an id. One that cannot be journaled (Redis is full, say) goes to
         the socket only too: the client hears of it either way."""
-        event = error_event(exc.code.value, exc.message, client_event_id)
+        param = getattr(exc, "param", None)  # a refused session field names itself
+        event = error_event(exc.code.value, exc.message, client_event_id, param)
         if self.limits.journal_error():
             try:
                 await self._journal(event, receipt=False)
@@ -439,12 +438,14 @@ class Connection:
 
     async def _configure(self, event: SessionUpdate) -> None:
         """Store the merged configuration (resume and new stage owners start from it),
-        then pass what stages act on down the session log, in order with the inputs."""
+        then pass what stages act on down the session log, in order with the inputs.
+        Each field takes effect or is refused by name, the others applying all the same
+        (``schemas.session_fields``); ``session.updated`` follows unless every field was
+        refused."""
         previous = self.config
-        try:
-            self.config = merged(previous, event.session)
-        except ValidationError as exc:
-            raise invalid_event(event.type, exc, skip=0, whole="session") from exc
+        self.config, refusals = judged(previous, event.session)
+        for refusal in refusals:
+            await self._error(refusal.error(), event.event_id)
         sid = self.session_id
         try:
             await self.coordinator.authority.configure(
@@ -458,7 +459,8 @@ class Connection:
         except BaseException:
             self.config = previous  # refused (Redis full): the same update sent again applies
             raise
-        await self._notice("session.updated", session=session_object(sid, self.config))
+        if not refusals or self.config != previous:  # all refused: the errors said it
+            await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:
         """Whether a response is streaming, or reserved (a commit, the server VAD's turn

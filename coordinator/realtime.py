@@ -137,10 +137,15 @@ def image_payload(data: str, pts_ms: int) -> VideoPayload:
     return VideoPayload((raw,), codec, pts_ms)
 
 
-def error_event(code: str, message: str, event_id: str | None = None) -> ServerEvent:
+def error_event(
+    code: str, message: str, event_id: str | None = None, param: str | None = None
+) -> ServerEvent:
+    """An ``error``; ``param`` names the field at fault (a refused session field)."""
     error: dict[str, Any] = {"type": "invalid_request_error", "code": code, "message": message}
     if event_id:
         error["event_id"] = event_id
+    if param:
+        error["param"] = param
     return {"type": "error", "error": error}
 
 
