@@ -264,6 +264,7 @@ class Connection:
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
+        self.translator.spoken = stage_settings(self.config).audio_output
         # Input sent on the old socket may wait for its commit: a response.create here
         # asks for the response (it answers "nothing to answer" when there was none).
         self.uncommitted = True

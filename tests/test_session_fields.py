@@ -220,3 +220,39 @@ async def test_a_client_update_applies_what_it_can_and_names_each_refusal(redis_
     assert [e.mode for e in log] == [InputMode.UPDATE_SESSION]
     payload = log[0].payload
     assert (payload.max_output_tokens, payload.speed, payload.vad_silence_ms) == (32, 1.25, 300)
+
+
+# -- what an audio response streams, no I/O ------------------------------------------------
+
+
+def test_an_audio_response_streams_the_transcript_and_a_text_one_the_text():
+    from coordinator.realtime import ServerEventTranslator
+    from schemas.events import OutputEvent, encode_session_payload
+
+    translator = ServerEventTranslator(["tts"])  # thinker -> tts -> client
+    seq = iter(range(1, 100))
+
+    def types(stage, kind, response, text="", data=b""):
+        fence = Fence("s1", 0, 0, 0, response)
+        meta = {"role": "assistant"} if kind is OutputKind.TRANSCRIPT else {}
+        out = OutputEvent(fence, stage, kind, next(seq), text=text, data=data, meta=meta)
+        return [e["type"] for e in translator.translate(out, next(seq))]
+
+    def settings(stage, audio):
+        data = encode_session_payload(SettingsPayload(audio_output=audio))
+        return types(stage, OutputKind.SETTINGS, 0, data=data)
+
+    # Audio (the default): the thinker's text is spoken downstream; its transcript streams.
+    spoken = types("thinker", OutputKind.TEXT_DELTA, 1, "Hi there.")
+    spoken += types("tts", OutputKind.TRANSCRIPT, 1, "Hi there.")
+    spoken += types("tts", OutputKind.AUDIO_DELTA, 1, data=b"\0\0" * 240)
+    spoken += types("thinker", OutputKind.DONE, 1) + types("tts", OutputKind.DONE, 1)
+    assert spoken[0] == "response.created"
+    assert not [t for t in spoken if t.startswith("response.output_text")]
+    assert "response.output_audio_transcript.delta" in spoken and "response.done" in spoken
+    # Text: the settings the stages passed on say so; the thinker's text streams.
+    assert settings("thinker", False) == settings("tts", False) == []
+    written = types("thinker", OutputKind.TEXT_DELTA, 2, "Hi again.")
+    written += types("thinker", OutputKind.DONE, 2) + types("tts", OutputKind.DONE, 2)
+    assert "response.output_text.delta" in written and "response.output_text.done" in written
+    assert not [t for t in written if t.startswith("response.output_audio")]
