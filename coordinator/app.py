@@ -14,6 +14,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -23,6 +24,7 @@ from starlette.websockets import WebSocket
 from coordinator.auth import presented, split_subprotocols
 from coordinator.connection import Connection
 from coordinator.hub import Hub
+from coordinator.socket_io import ExposeTransport
 from dataplane.metrics import exposition
 from dataplane.readiness import StageReadiness, read_stage
 from schemas.config import PipelineConfig, Settings
@@ -125,6 +127,8 @@ def create_app(settings: Settings, pipeline: PipelineConfig) -> Starlette:
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         lifespan=lifespan,
+        # A stalled client's connection can be aborted (``coordinator.socket_io``).
+        middleware=[Middleware(ExposeTransport)],
     )
     app.state.hub = hub
     return app

@@ -143,6 +143,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.app import create_app
+    from coordinator.server_options import websocket_options
 
     settings = load_settings(args.settings, args.redis_url)
     pipeline = load_pipeline_for(settings, args.pipeline)
@@ -163,8 +164,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         redacted(settings.redis_url),
     )  # fmt: skip
     heap.settle()  # what was imported and built to start is long-lived
+    # Frames up to 4 x max_event_bytes reach the connection (``event_too_large``, the
+    # connection goes on); keep-alive leaves a stalled client to the 4008 close.
     uvicorn.run(app, host=host, port=port, log_config=None, log_level=args.log_level,
-                ws_max_size=settings.max_event_bytes)  # fmt: skip
+                **websocket_options(settings))  # fmt: skip
     return 0
 
 

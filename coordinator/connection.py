@@ -26,26 +26,24 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from coordinator import conversation
+from coordinator import conversation, socket_io
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
-from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
+from coordinator.outbound import OVERFLOW_CLOSE_CODE, Outbound, Outgoing
 from coordinator.realtime import (
     EXTENSION,
     ServerEventTranslator,
     audio_payload,
     error_event,
     image_payload,
-    invalid_event,
     parse_client_event,
     server_seq,
     spoken_item,
 )
 from coordinator.resume import replay_journal
+from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
@@ -88,20 +86,13 @@ from schemas.realtime import (
     SessionUpdate,
     VideoAppend,
 )
-from schemas.session_shape import merged, session_object, stage_settings
+from schemas.session_fields import judged
+from schemas.session_shape import session_object, stage_settings
 
 if TYPE_CHECKING:
     from coordinator.hub import Hub
 
 log = logging.getLogger("duplexq.coordinator")
-
-
-class Socket(Protocol):
-    """The part of a WebSocket a connection uses (Starlette's fits)."""
-
-    async def receive_text(self) -> str: ...
-    async def send_json(self, data: Any) -> None: ...
-    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
 
 
 def token_hash(token: str) -> str:
@@ -186,14 +177,16 @@ class Connection:
             self.outbound.put(item)
 
     async def _close_when_overflowed(self, pump: asyncio.Task[None]) -> None:
-        """A client that stopped reading: stop sending and close with 4008; its receive
-        loop then ends and the session waits for a resume."""
+        """A client that stopped reading: stop sending and close with 4008
+        (``coordinator.socket_io``); its receive loop then ends and the session waits
+        for a resume."""
         await self.outbound.overflowed.wait()
         self.closed = True
         pump.cancel()
-        log.warning("session %s: %s; closing its connection", self.session_id, OVERFLOW_REASON)
-        with contextlib.suppress(Exception):
-            await self.socket.close(code=OVERFLOW_CLOSE_CODE, reason=OVERFLOW_REASON)
+        reason = self.outbound.reason
+        log.warning("session %s: %s; closing its connection", self.session_id, reason)
+        wait_s = self.hub.settings.client_close_wait_ms / 1000
+        await socket_io.close_stalled(self.socket, OVERFLOW_CLOSE_CODE, reason, wait_s)
 
     async def evict(self, reason: str) -> None:
         """Another connection serves the session now: stop sending and close this socket
@@ -210,12 +203,12 @@ class Connection:
     async def _first_event(self) -> ClientEvent | None:
         wait_s = self.hub.settings.first_event_wait_ms / 1000
         try:
-            raw = await asyncio.wait_for(self.socket.receive_text(), wait_s)
+            raw = await asyncio.wait_for(socket_io.receive(self.socket), wait_s)
         except TimeoutError:
             return None
         self._first_raw = raw
         try:
-            return parse_client_event(raw, self.hub.settings.max_event_bytes)
+            return parse_client_event(socket_io.text_of(raw), self.hub.settings.max_event_bytes)
         except ProtocolError as exc:
             self._early_error = exc
             return None
@@ -272,6 +265,7 @@ class Connection:
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
+        self.translator.spoken = stage_settings(self.config).audio_output
         # Input sent on the old socket may wait for its commit: a response.create here
         # asks for the response (it answers "nothing to answer" when there was none).
         self.uncommitted = True
@@ -312,12 +306,12 @@ class Connection:
     async def _receive(self) -> None:
         while not self.closed:
             try:
-                raw = await self.socket.receive_text()
+                raw = await socket_io.receive(self.socket)
             except Exception:  # the client went away (WebSocketDisconnect and kin)
                 return
             await self._process(raw)
 
-    async def _process(self, raw: str, event: ClientEvent | None = None) -> None:
+    async def _process(self, raw: str | bytes, event: ClientEvent | None = None) -> None:
         """Take one client event within the connection's limits, or answer an error."""
         settings = self.hub.settings
         try:
@@ -327,7 +321,7 @@ class Connection:
                     f"{settings.event_burst}); this event was refused, slow down"
                 )
             if event is None:
-                event = parse_client_event(raw, settings.max_event_bytes)
+                event = parse_client_event(socket_io.text_of(raw), settings.max_event_bytes)
             cost = self.limits.budget.cost(event)
             if not isinstance(event, CONTROL_EVENTS):
                 await self._check_backpressure(cost)
@@ -345,7 +339,8 @@ class Connection:
         lasts, else send it to the socket only; it names the client event it answers
         when that had an id. One that cannot be journaled (Redis is full, say) goes to
         the socket only too: the client hears of it either way."""
-        event = error_event(exc.code.value, exc.message, client_event_id)
+        param = getattr(exc, "param", None)  # a refused session field names itself
+        event = error_event(exc.code.value, exc.message, client_event_id, param)
         if self.limits.journal_error():
             try:
                 await self._journal(event, receipt=False)
@@ -445,12 +440,14 @@ class Connection:
 
     async def _configure(self, event: SessionUpdate) -> None:
         """Store the merged configuration (resume and new stage owners start from it),
-        then pass what stages act on down the session log, in order with the inputs."""
+        then pass what stages act on down the session log, in order with the inputs.
+        Each field takes effect or is refused by name, the others applying all the same
+        (``schemas.session_fields``); ``session.updated`` follows unless every field was
+        refused."""
         previous = self.config
-        try:
-            self.config = merged(previous, event.session)
-        except ValidationError as exc:
-            raise invalid_event(event.type, exc, skip=0, whole="session") from exc
+        self.config, refusals = judged(previous, event.session)
+        for refusal in refusals:
+            await self._error(refusal.error(), event.event_id)
         sid = self.session_id
         try:
             await self.coordinator.authority.configure(
@@ -464,7 +461,8 @@ class Connection:
         except BaseException:
             self.config = previous  # refused (Redis full): the same update sent again applies
             raise
-        await self._notice("session.updated", session=session_object(sid, self.config))
+        if not refusals or self.config != previous:  # all refused: the errors said it
+            await self._notice("session.updated", session=session_object(sid, self.config))
 
     async def _response_active(self) -> bool:
         """Whether a response is streaming, or reserved (a commit, the server VAD's turn
@@ -542,7 +540,8 @@ class Connection:
                 # Not journaled: no place in the session (no duplexq.seq), never replayed.
                 # With the seq of the last event sent, a client that drops what it has
                 # processed (seq at most its last) dropped it: an error never heard.
-                await self.socket.send_json({**item, "event_id": _fresh_event_id()})
+                if not await self._send({**item, "event_id": _fresh_event_id()}):
+                    return
                 continue
             delivery = item
             event = delivery.event
@@ -552,11 +551,21 @@ class Connection:
                 if server_event["type"] == "response.done":
                     ended = int(server_event[EXTENSION]["fence"]["response_seq"])
                     self._ended_up_to = max(self._ended_up_to, ended)
-                await self.socket.send_json(server_event)
+                if not await self._send(server_event):
+                    return
                 self._sent_seq = server_seq(server_event)
                 measured = self.turn_clock.sent(server_event, time.monotonic())
                 if measured is not None:
                     FIRST_OUTPUT.labels(turn=measured[0]).observe(measured[1])
+
+    async def _send(self, server_event: dict[str, Any]) -> bool:
+        """Send within ``client_send_timeout_ms``; a client that does not take it is
+        closed with 4008 (``_close_when_overflowed``): False."""
+        timeout_s = self.hub.settings.client_send_timeout_ms / 1000
+        if await socket_io.send(self.socket, server_event, timeout_s):
+            return True
+        self.outbound.stall()
+        return False
 
 
 def _fresh_event_id() -> str:
@@ -565,7 +574,7 @@ def _fresh_event_id() -> str:
     return f"event_{secrets.token_hex(8)}"
 
 
-def _client_event_id(raw: str) -> str | None:
+def _client_event_id(raw: str | bytes) -> str | None:
     """The ``event_id`` a client gave the event it sent, when it parses as one."""
     try:
         data = json.loads(raw)

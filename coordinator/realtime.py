@@ -36,7 +36,9 @@ from schemas.events import (
     ControlKind,
     OutputEvent,
     OutputKind,
+    SettingsPayload,
     VideoPayload,
+    session_payload_of,
 )
 from schemas.fence import Fence
 from schemas.items import response_id, speech_item
@@ -137,10 +139,15 @@ def image_payload(data: str, pts_ms: int) -> VideoPayload:
     return VideoPayload((raw,), codec, pts_ms)
 
 
-def error_event(code: str, message: str, event_id: str | None = None) -> ServerEvent:
+def error_event(
+    code: str, message: str, event_id: str | None = None, param: str | None = None
+) -> ServerEvent:
+    """An ``error``; ``param`` names the field at fault (a refused session field)."""
     error: dict[str, Any] = {"type": "invalid_request_error", "code": code, "message": message}
     if event_id:
         error["event_id"] = event_id
+    if param:
+        error["param"] = param
     return {"type": "error", "error": error}
 
 
@@ -168,6 +175,11 @@ class ServerEventTranslator:
         """The spoken timelines of the latest responses, by item id (``timeline``)."""
         self._journal_seq = 0
         self._index = 0
+        self.spoken = True
+        """Whether the session's output is audio where no settings in the journal said
+        (a resumed connection sets it from the stored configuration)."""
+        self._spoken_by: dict[str, bool] = {}
+        """Each stage's ``audio_output`` as the settings it passed on said."""
 
     @property
     def active(self) -> str | None:
@@ -232,8 +244,13 @@ class ServerEventTranslator:
 
     def _output(self, out: OutputEvent) -> list[ServerEvent]:
         kind = out.kind
-        if kind in (OutputKind.SETTINGS, OutputKind.CONVERSATION):
+        if kind is OutputKind.SETTINGS:
+            settings = session_payload_of(out)
+            if isinstance(settings, SettingsPayload):
+                self._spoken_by[out.stage] = settings.audio_output
             return []  # passed down the chain for the stages, not for the client
+        if kind is OutputKind.CONVERSATION:
+            return []
         if kind is OutputKind.NOTICE:
             notice: ServerEvent = json.loads(out.text)
             return [notice]
@@ -287,7 +304,15 @@ class ServerEventTranslator:
         if out.kind in (OutputKind.LISTEN, OutputKind.SPEAK):
             return [*events, {"type": f"duplexq.response.{out.kind.value}",
                               "response_id": frame.response_id}]  # fmt: skip
+        if self._voiced(out):
+            return events  # spoken downstream: its transcript and audio are the output
         return events + frame.text(out.text)
+
+    def _voiced(self, text: OutputEvent) -> bool:
+        """Whether a stage's text is spoken by a client-facing stage downstream of it (a
+        thinker's, with the TTS stage after it) while the output is audio: an audio
+        response streams the transcript of what was said, not the text beside it."""
+        return text.stage not in self.terminal and self._spoken_by.get(text.stage, self.spoken)
 
     def _done(self, out: OutputEvent) -> list[ServerEvent]:
         if out.stage not in self.terminal:

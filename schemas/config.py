@@ -179,6 +179,13 @@ class Settings(BaseSettings):
     ``read_batch``). A client that stops reading fills it and is disconnected with close
     code 4008; its session stays resumable and nothing accepted is lost (the journal
     holds it)."""
+    client_send_timeout_ms: int = Field(5000, ge=50, le=600_000)
+    """How long one server event may wait for the client's socket to take it. A client
+    that does not read for that long is closed with 4008 (``coordinator.socket_io``);
+    its session stays resumable."""
+    client_close_wait_ms: int = Field(10_000, ge=50, le=600_000)
+    """How long the 4008 close of a client that stopped reading may wait for the
+    client; then its connection is dropped (the TCP connection aborted)."""
     journaled_error_burst: int = Field(32, ge=1, le=100_000)
     """Errors answering a connection's refused events that are written to the session's
     journal at once (and so replayed on a resume); refilled at

@@ -24,7 +24,8 @@ Hierarchy::
     │   └── ProtocolError             a client event refused at the edge; its code says why:
     │                                 invalid_json, unknown_event, invalid_event,
     │                                 event_too_large, invalid_base64, invalid_audio,
-    │                                 invalid_image
+    │                                 invalid_image, unsupported_field (a session
+    │                                 field duplexq does not do; the error names it)
     └── AuthError                     unauthorized / resume_failed
 
 Third-party exceptions are translated where they enter duplexq
@@ -51,6 +52,7 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"
     UNKNOWN_EVENT = "unknown_event"
     INVALID_EVENT = "invalid_event"
+    UNSUPPORTED_FIELD = "unsupported_field"
     EVENT_TOO_LARGE = "event_too_large"
     INVALID_BASE64 = "invalid_base64"
     INVALID_AUDIO = "invalid_audio"

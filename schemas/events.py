@@ -129,6 +129,11 @@ class SettingsPayload(msgspec.Struct, frozen=True, tag="settings"):
     greedy: bool = False
     """Model stages decode greedily (temperature 0) whatever their sampling options say,
     so the same inputs give the same answers: set by a greedy replay, never by a client."""
+    max_output_tokens: int | None = None
+    """The most tokens a model stage generates for one response (None: its own
+    ``max_tokens``, which also caps this)."""
+    speed: float = 1.0
+    """How fast the TTS stage speaks: a multiple of its words per minute."""
 
 
 class ConversationPayload(msgspec.Struct, frozen=True, tag="conversation"):

@@ -1,9 +1,9 @@
 """The client protocol: OpenAI Realtime events where they apply, duplex events where not.
 
 Client events are validated fully here, at the edge: a JSON object with a
-``type`` and the fields that type allows. Unknown *fields* inside a session
-configuration are ignored (so existing Realtime clients that send options we
-do not implement still work); unknown *event types* are refused with
+``type`` and the fields that type allows. Each field of a session
+configuration takes effect or is refused by name, the rest of the update still
+applying (``schemas.session_fields``); unknown *event types* are refused with
 ``unknown_event``.
 
 Client events (duplexq's own are named ``duplexq.*``):
@@ -30,9 +30,9 @@ duplexq.session.resume              reattach with a resume token (the first even
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from schemas.tools import FunctionTool, ToolChoice
 
@@ -48,20 +48,34 @@ class _Event(BaseModel):
 
 class TurnDetection(BaseModel):
     """Server VAD settings; ``None`` in the session turns server VAD off. A field left
-    out keeps the VAD stage's own option (``workers.backends.vad.VadOptions``)."""
+    out keeps the VAD stage's own option (``workers.backends.vad.VadOptions``).
+    ``semantic_vad`` is served by the same VAD stage, its ``eagerness`` read as the
+    silence that ends a turn (``schemas.session_fields.EAGERNESS_SILENCE_MS``)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    type: Literal["server_vad"] = "server_vad"
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Speech probability that counts as speech (the VAD uses 0.2..0.95 of it)."""
     prefix_padding_ms: int | None = Field(None, ge=0, le=2000)
     silence_duration_ms: int | None = Field(None, ge=100, le=5000)
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None
+    """``semantic_vad`` only: how soon a pause ends the turn."""
     interrupt_response: bool = True
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Self:
+        semantic = self.type == "semantic_vad"
+        if semantic and self.silence_duration_ms is not None:
+            raise ValueError("semantic_vad takes eagerness, not silence_duration_ms")
+        if not semantic and self.eagerness is not None:
+            raise ValueError("eagerness is semantic_vad's; server_vad takes silence_duration_ms")
+        return self
 
 
 class SessionConfig(BaseModel):
-    """What a client may configure; other Realtime session fields are ignored."""
+    """What a client may configure (``schemas.session_fields`` judges each field a
+    ``session.update`` names: it takes effect here or is refused by name)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -72,6 +86,11 @@ class SessionConfig(BaseModel):
     duplexq's own 32-bit float PCM."""
     input_audio_sample_rate: int = Field(24_000, ge=8_000, le=48_000)
     output_audio_format: Literal["pcm16"] = "pcm16"
+    max_output_tokens: int | None = Field(None, ge=1, le=4096)
+    """The most tokens the model stage generates for one response (None: its own
+    ``max_tokens``, which also caps this)."""
+    speed: float = Field(1.0, ge=0.25, le=1.5)
+    """How fast the TTS stage speaks, a multiple of its words per minute."""
     voice: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_+-]{0,39}$")
     """A reference voice name (``alloy``, ``marin``, ...) or a voice of the TTS stage
     (espeak-ng's ``en-us``, ``en+f3``, ...): ``workers.backends.tts.VOICES``."""

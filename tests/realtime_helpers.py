@@ -19,18 +19,22 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
+from coordinator.server_options import websocket_options
 from schemas.config import PipelineConfig, Settings, echo_pipeline
 from tests.processes import ROOT, write_pipeline
 from tests.redis_server import free_port
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings, pipeline: PipelineConfig) -> AsyncIterator[str]:
-    """Serve the app on a free port; yields the ws:// base URL."""
+async def serving(
+    settings: Settings, pipeline: PipelineConfig, ws: str = "auto"
+) -> AsyncIterator[str]:
+    """Serve the app on a free port (WebSockets by uvicorn's stack ``ws``, with the
+    options ``duplexq coordinator`` serves with); yields the ws:// base URL."""
     port = free_port()
     config = uvicorn.Config(
         create_app(settings, pipeline), host="127.0.0.1", port=port, log_level="warning",
-        ws_max_size=4 * settings.max_event_bytes, lifespan="on",
+        lifespan="on", ws=ws, **websocket_options(settings),
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

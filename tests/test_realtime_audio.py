@@ -183,9 +183,17 @@ async def test_instructions_text_only_output_and_voice_take_effect(settings):
     # named only the output and the voice kept the instructions (merge, not replace).
     assert marin["status"] == cedar["status"] == "completed"
     for spoken in (marin, cedar):
+        # An audio response streams its transcript, never the thinker's text beside it.
         parts = {part["type"]: part for item in spoken["output"] for part in item["content"]}
-        assert parts["output_text"]["text"] == "Gladly. You said hello there."
+        assert set(parts) == {"output_audio"}
         assert parts["output_audio"]["transcript"] == "Gladly. You said hello there."
+        streamed = {e["type"] for e in seen if e.get("response_id") == spoken["id"]}
+        assert not {t for t in streamed if t.startswith("response.output_text.")}
+        assert "response.output_audio_transcript.delta" in streamed
+    # A text response streams text and no transcript.
+    streamed = {e["type"] for e in seen if e.get("response_id") == quiet["id"]}
+    assert "response.output_text.delta" in streamed
+    assert not {t for t in streamed if t.startswith("response.output_audio")}
     assert audio_of(marin["id"]) and audio_of(cedar["id"])
     assert audio_of(marin["id"]) != audio_of(cedar["id"])
     # Typed text is not reported as a transcription of audio.

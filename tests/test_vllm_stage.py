@@ -538,6 +538,33 @@ async def test_e_the_sessions_instructions_replace_the_system_prompt(engine, set
 
 
 @engine_test
+async def test_f_the_sessions_max_output_tokens_caps_each_answer(engine, settings):
+    """``max_output_tokens`` (``session.update``) reaches the engine's sampling as its
+    max_tokens; the stage's own applies again once the session says "inf"."""
+    backend = backend_for(engine, max_tokens=12)
+    pipeline = chat_pipeline()
+    coordinator = Coordinator(settings, pipeline)
+
+    async def turn(text: str) -> tuple[int, str]:
+        await coordinator.append("s1", "append_text", TextPayload(text))
+        await coordinator.commit("s1")
+        done = outputs(await read_until(coordinator, has_done), OutputKind.DONE)[0]
+        return done.meta["tokens"], done.meta["finish_reason"]
+
+    try:
+        async with running_worker(settings, pipeline, STAGE, backend=backend):
+            await coordinator.open("s1")
+            await coordinator.append(
+                "s1", InputMode.UPDATE_SESSION, SettingsPayload(max_output_tokens=3)
+            )
+            assert await turn("hi") == (3, "length")
+            await coordinator.append("s1", InputMode.UPDATE_SESSION, SettingsPayload())
+            assert await turn("and now?") == (12, "length")
+    finally:
+        await coordinator.aclose()
+
+
+@engine_test
 async def test_g_a_forced_call_and_its_result_go_through_the_model(engine, settings):
     """tool_choice names a function: the engine is constrained to its arguments' schema;
     the call joins the history, the client's result comes back as the tool's message."""

@@ -23,8 +23,9 @@ it on the server; paced, what was sent is close to what was heard.
 
 The session's settings (``ctx.session``, from ``session.update``) choose the
 voice (the reference API's names map to espeak-ng voices, ``VOICES``; other
-names are espeak-ng's own) and, with text-only output, silence: the text is
-not spoken and the response ends with its ``done`` as usual.
+names are espeak-ng's own), the speed (``audio.output.speed`` times the stage's
+``words_per_minute``, ``words_per_minute``) and, with text-only output, silence:
+the text is not spoken and the response ends with its ``done`` as usual.
 
 Text goes to espeak-ng on its stdin, never as an argument, so no text can be
 read as an option. ``continuous_input`` is false: text of a cancelled
@@ -98,6 +99,17 @@ def espeak_voice(session_voice: str, default: str) -> str:
     if not session_voice:
         return default
     return VOICES.get(session_voice.lower(), session_voice)
+
+
+ESPEAK_WPM = (80, 450)
+"""The speeds espeak-ng speaks at (words per minute)."""
+
+
+def words_per_minute(stage_wpm: int, speed: float) -> int:
+    """The session's ``speed`` (0.25 to 1.5) as espeak-ng's words per minute: the stage's
+    own times ``speed``, within what espeak-ng does (80 to 450)."""
+    low, high = ESPEAK_WPM
+    return max(low, min(high, round(stage_wpm * speed)))
 
 
 def split_ready(text: str, *, final: bool, max_chars: int) -> tuple[list[str], str]:
@@ -282,9 +294,10 @@ class TtsBackend:
             )
         opts = self.options
         voice = espeak_voice(ctx.session.voice, opts.voice)
+        wpm = words_per_minute(opts.words_per_minute, ctx.session.speed)
         process = await asyncio.create_subprocess_exec(
             self._executable, "--stdout", "--stdin", "-v", voice,
-            "-s", str(opts.words_per_minute), "-p", str(opts.pitch),
+            "-s", str(wpm), "-p", str(opts.pitch),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip

@@ -40,7 +40,9 @@ too long to fit alone is answered with an error and dropped from the history.
 
 Sampling. Each response samples with the stage's ``temperature``, ``top_p`` and
 ``seed``; a session whose settings say ``greedy`` (a greedy replay) gets temperature 0
-instead, so its answers depend on its history alone (``sampling_spec``).
+instead, so its answers depend on its history alone (``sampling_spec``). A response
+generates at most ``max_tokens``, or the session's ``max_output_tokens`` where that is
+less (``response_max_tokens``).
 
 Options: see ``vllm_options.VllmOptions`` (model, dtype, max_model_len,
 gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, seed,
@@ -65,7 +67,7 @@ from schemas.fence import Fence
 from schemas.items import response_item
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
 from workers.backends.request_log import RequestLog
-from workers.backends.vllm_engine import EngineStep, VllmEngine, sampling_spec
+from workers.backends.vllm_engine import EngineStep, VllmEngine, response_max_tokens, sampling_spec
 from workers.backends.vllm_history import (
     ChatHistory,
     Contribution,
@@ -248,7 +250,7 @@ class VllmBackend:
         if not chat.history.awaits_answer():
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "nothing_to_answer"})
             return
-        max_tokens = self.options.max_tokens - len(carried.token_ids)
+        max_tokens = response_max_tokens(self.options, ctx.session) - len(carried.token_ids)
         if max_tokens <= 0:  # the previous owner had produced all of it
             chat.history.add_assistant(carried, response_item(ctx.fence))
             yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})

@@ -101,6 +101,14 @@ class SamplingSpec(NamedTuple):
     """Constrain the output to JSON of this schema (a forced function call)."""
 
 
+def response_max_tokens(options: VllmOptions, settings: SettingsPayload) -> int:
+    """The most tokens one response generates: the stage's ``max_tokens``, or less where
+    the session's ``max_output_tokens`` asks for less."""
+    if settings.max_output_tokens is None:
+        return options.max_tokens
+    return min(options.max_tokens, settings.max_output_tokens)
+
+
 def sampling_spec(
     options: VllmOptions, settings: SettingsPayload, max_tokens: int,
     json_schema: dict[str, Any] | None = None,
