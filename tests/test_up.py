@@ -410,3 +410,26 @@ def cmdline(pid: int) -> bytes:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_up_uses_the_redis_of_duplexq_redis_url_and_says_so(tmp_path, redis_server, key_prefix):
+    env = {"DUPLEXQ_REDIS_URL": redis_server.url, "DUPLEXQ_KEY_PREFIX": key_prefix}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(tmp_path),
+         "--pipeline", str(ECHO), "--port", str(free_port()), "--workers", "1", "--no-demo"],
+        cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = wait_serving(proc)
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.keys(f"{key_prefix}*")  # the stack's workers registered there
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert lines[0] == (
+        f"redis: yours, from DUPLEXQ_REDIS_URL: {redis_server.url} "
+        "(up starts no Redis of its own)\n"
+    )
+    assert not (tmp_path / "logs" / "redis.log").exists()
