@@ -1,6 +1,7 @@
 """The ``duplexq`` command line.
 
 duplexq up                 the whole stack on this machine (Redis, workers, control)
+duplexq down               stop the stack ``up`` runs in --workdir (default var)
 duplexq coordinator        the client API: /v1/realtime, /healthz, /readyz, /metrics
 duplexq worker --stage S   one stage worker (same as ``python -m workers``)
 duplexq control            the control plane (lease audit, trimming, expiry, replays)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -28,11 +30,15 @@ from coordinator.local_stack import (
     StartFailed,
     check_stage_options,
     demonstrate,
+    free_port,
+    port_taken,
 )
-from dataplane import heap
+from coordinator.stack_state import StackLock, add_workdir_option, running, settings_for
+from dataplane import heap, lifeline
 from dataplane.bus import RedisBus
 from dataplane.config import (
     RedisUnreachable,
+    check_environment,
     ensure_redis,
     load_pipeline_for,
     load_settings,
@@ -49,42 +55,119 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", type=Path, help="pipeline file (.toml/.json)")
     parser.add_argument("--settings", type=Path, help="settings file (.toml/.json)")
     parser.add_argument("--redis-url", help="overrides settings.redis_url")
+    add_workdir_option(parser)
+
+
+class Console:
+    """``up``'s lines to the person who started it. A closed stdout (``duplexq up | head
+    -3``) does not stop the stack: ``up`` says so once on stderr, writes its later lines
+    there and goes on serving until Ctrl-C, SIGTERM or ``duplexq down``."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.stream = sys.stdout
+
+    def __call__(self, *parts: object, flush: bool = True) -> None:
+        try:
+            print(*parts, file=self.stream, flush=True)
+        except BrokenPipeError:
+            if self.stream is sys.stderr:
+                return
+            # Whatever Python still holds for stdout goes nowhere instead of failing
+            # again at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            self.stream = sys.stderr
+            self(
+                "duplexq up: stdout is closed; still serving, saying the rest here "
+                f"(Ctrl-C or `duplexq down --workdir {self.workdir}` stops it)"
+            )
+            self(*parts)
+
+
+def _redis_source(settings: Settings, flag: str | None) -> str | None:
+    """Where a Redis given to ``up`` comes from, or None when none is (``up`` then starts
+    its own)."""
+    if flag:
+        return "--redis-url"
+    if "redis_url" not in settings.model_fields_set:
+        return None
+    return "DUPLEXQ_REDIS_URL" if "DUPLEXQ_REDIS_URL" in os.environ else "the settings file"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     settings = load_settings(args.settings, args.redis_url)
+    workdir = Path(args.workdir).resolve()
     if settings.models_dir == Settings.model_fields["models_dir"].default:
         # Everything one `up` writes lives in its workdir; setup prepares var/models.
-        models = Path(args.workdir).resolve() / "models"
-        settings = settings.model_copy(update={"models_dir": str(models)})
+        settings = settings.model_copy(update={"models_dir": str(workdir / "models")})
     pipeline = load_pipeline_for(settings, args.pipeline)
     chosen = pipeline_path(settings, args.pipeline).resolve()
     check_stage_options(chosen, settings)
-    if args.redis_url:  # a Redis of the caller's: checked before anything starts on it
+    own_redis = _redis_source(settings, args.redis_url)
+    if own_redis:  # a Redis of the caller's: checked before anything starts on it
         asyncio.run(check_at_start(settings))
+    lock = StackLock(workdir)
+    other = lock.acquire()
+    if other is not None:
+        print(f"duplexq up: error: a stack is already running in {other.describe()}; "
+              f"stop it with: duplexq down --workdir {args.workdir}", file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        port = args.port if args.port is not None else settings.port
+        port = port or free_port()  # 0: any free port
+        if port_taken(settings.host, port):
+            print(f"duplexq up: error: port {port} on {settings.host} is already in use "
+                  "(choose another: --port)", file=sys.stderr)  # fmt: skip
+            return 1
+        return _run_up(settings, pipeline, chosen, lock, own_redis, port, args)
+    finally:
+        lock.release()
+
+
+def _run_up(
+    settings: Settings,
+    pipeline: PipelineConfig,
+    chosen: Path,
+    lock: StackLock,
+    own_redis: str | None,
+    port: int,
+    args: argparse.Namespace,
+) -> int:
     key_note = "API key: one of DUPLEXQ_API_KEYS" if settings.api_keys else "no API key needed"
     if not settings.api_keys and not settings.allow_anonymous:
         # A fresh key for this run, in a file only its owner reads: never printed, so it
         # lands in no terminal log or URL.
-        key_file = Path(args.workdir).resolve() / "api_key"
-        key_file.parent.mkdir(parents=True, exist_ok=True)
+        key_file = lock.workdir / "api_key"
         settings = settings.model_copy(update={"api_keys": (secrets.token_urlsafe(16),)})
         key_file.touch(mode=0o600)
         key_file.chmod(0o600)
         key_file.write_text(settings.api_keys[0] + "\n")
         key_note = f"API key for this run: in {key_file}"
-    stack = LocalStack(settings, chosen, Path(args.workdir).resolve())
-    # SIGTERM stops the stack the way Ctrl-C does: in order, within STOP_WITHIN_S.
+    stack = LocalStack(settings, chosen, lock.workdir)
+    out = Console(args.workdir)
+    # SIGTERM (and `duplexq down`) stops the stack the way Ctrl-C does: in order, within
+    # STOP_WITHIN_S.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _serve_up(stack, pipeline, args, key_note)
+        if own_redis:
+            out(f"redis: yours, from {own_redis}: {redacted(settings.redis_url)} "
+                "(up starts no Redis of its own)")  # fmt: skip
+        else:
+            stack.start_redis()
+            out(f"redis: ready at {stack.settings.redis_url} (this stack's own; "
+                "DUPLEXQ_REDIS_URL or --redis-url would use another)")  # fmt: skip
+        lock.publish(redis_url=stack.settings.redis_url, key_prefix=settings.key_prefix,
+                     pipeline=str(chosen), workdir=str(lock.workdir))  # fmt: skip
+        return _serve_up(stack, pipeline, args, port, key_note, lock, out)
     except StartFailed as exc:
         print(f"duplexq up: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        print(f"stopping (within {STOP_WITHIN_S:g} s)", flush=True)
+        out(f"stopping (within {STOP_WITHIN_S:g} s)")
         stack.stop()
 
 
@@ -98,45 +181,69 @@ def _loads(stage: StageConfig) -> str:
 
 
 def _serve_up(
-    stack: LocalStack, pipeline: PipelineConfig, args: argparse.Namespace, key_note: str
+    stack: LocalStack,
+    pipeline: PipelineConfig,
+    args: argparse.Namespace,
+    port: int,
+    key_note: str,
+    lock: StackLock,
+    out: Console,
 ) -> int:
-    if not args.redis_url:
-        stack.start_redis()
-        print(f"redis: ready at {stack.settings.redis_url}", flush=True)
     for stage in pipeline.stages:
         for n in range(args.workers):
             stack.start_worker(stage.name, f"{stage.name}-{n}")
-        print(
-            f"stage {stage.name}: {args.workers} worker(s) starting ({_loads(stage)})", flush=True
-        )
+        out(f"stage {stage.name}: {args.workers} worker(s) starting ({_loads(stage)})")
     stack.start_control()
-    base = stack.start_coordinator(args.port if args.port is not None else stack.settings.port)
+    base = stack.start_coordinator(port)
+    lock.publish(base_url=base)
     stack.check_alive()
-    print(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
-          f" -> client), {args.workers} worker(s) per stage, Redis at "
-          f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
-    print(f"demo page: {base}/ ({key_note}; the page asks for it)")
-    print(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
-    print(
-        "waiting for every stage to load its model (the demo page shows which are ready)",
-        flush=True,
-    )
-    asyncio.run(stack.wait_ready(pipeline.stage_names))
+    out(f"duplexq up: pipeline {pipeline.name} ({' -> '.join(pipeline.stage_names)}"
+        f" -> client), {args.workers} worker(s) per stage, Redis at "
+        f"{stack.settings.redis_url}, logs in {args.workdir}/logs")  # fmt: skip
+    out(f"demo page: {base}/ ({key_note}; the page asks for it)")
+    out(f"realtime API: {base.replace('http', 'ws', 1)}/v1/realtime  metrics: {base}/metrics")
+    out("waiting for every stage to load its model (the demo page shows which are ready)")
+    asyncio.run(stack.wait_ready(pipeline.stage_names, out))
     if not args.no_demo:
-        print("demonstration: a typed turn, a barge-in and a failover", flush=True)
-        ok = asyncio.run(demonstrate(stack, pipeline))
+        out("demonstration: a typed turn, a barge-in and a failover")
+        ok = asyncio.run(demonstrate(stack, pipeline, out))
         for notice in stack.fallback_notices():
-            print(notice)
-        print("demonstration " + ("passed" if ok else "FAILED"), flush=True)
+            out(notice)
+        out("demonstration " + ("passed" if ok else "FAILED"))
         if args.demo_only:
             return 0 if ok else 1
-    # Written once the demonstration is over: its failover stops a worker for good.
     scrape = stack.write_scrape_config(base.split("://", 1)[1])
-    print(f"worker metrics: {', '.join(stack.metrics.values())} (Prometheus config: {scrape})")
-    print("serving; Ctrl-C to stop", flush=True)
+    out(f"worker metrics: {', '.join(stack.metrics.values())} (Prometheus config: {scrape})")
+    out(f"serving; Ctrl-C or `duplexq down --workdir {args.workdir}` to stop")
     while True:
         stack.check_alive()
         time.sleep(1)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stop the stack ``up`` runs in ``--workdir``: SIGTERM to ``up``, which stops its
+    children in order; returns once ``up`` let go of the workdir."""
+    check_environment()
+    workdir = Path(args.workdir).resolve()
+    stack = running(workdir)
+    if stack is None:
+        print(f"duplexq down: no stack is running in {workdir}", file=sys.stderr)
+        return 1
+    if stack.pid <= 0:
+        print(f"duplexq down: error: the stack in {workdir} did not say its pid", file=sys.stderr)
+        return 1
+    print(f"stopping the stack in {stack.describe()}", flush=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(stack.pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while running(workdir) is not None:
+        if time.monotonic() >= deadline:
+            print(f"duplexq down: error: the stack in {workdir} (pid {stack.pid}) still runs "
+                  f"after {args.timeout:g} s", file=sys.stderr)  # fmt: skip
+            return 1
+        time.sleep(0.1)
+    print(f"stopped the stack in {workdir}")
+    return 0
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -145,7 +252,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.app import create_app
     from coordinator.server_options import websocket_options
 
-    settings = load_settings(args.settings, args.redis_url)
+    settings = settings_for(args, "coordinator")
     pipeline = load_pipeline_for(settings, args.pipeline)
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
@@ -172,6 +279,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    settings = settings_for(args, "worker")
+    # What it found (a running stack's Redis, key prefix and pipeline) goes to the worker
+    # as the variables it reads anyway.
+    os.environ.update({f"DUPLEXQ_{name.upper()}": str(getattr(settings, name))
+                       for name in ("redis_url", "key_prefix", "pipeline")})  # fmt: skip
     forwarded = ["--stage", args.stage]
     for flag in ("pipeline", "settings", "redis_url", "worker_id"):
         value = getattr(args, flag)
@@ -187,7 +299,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
-    settings = load_settings(args.settings, args.redis_url)
+    settings = settings_for(args, "sessions")
     pipeline = load_pipeline_for(settings, args.pipeline)
     return asyncio.run(_sessions(settings, pipeline, args.session_id))
 
@@ -223,11 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run the whole stack on this machine")
     _common(up)
     up.add_argument("--workers", type=int, default=2, help="worker processes per stage")
-    up.add_argument("--workdir", default="var", help="where Redis data and logs go")
     up.add_argument("--demo-only", action="store_true", help="stop after the demonstration")
     up.add_argument("--no-demo", action="store_true", help="serve without the demonstration")
     up.add_argument("--port", type=int, help="client API port (default: settings.port)")
     up.set_defaults(func=cmd_up)
+
+    down = commands.add_parser("down", help="stop the stack `duplexq up` runs in --workdir")
+    add_workdir_option(down)
+    down.add_argument("--timeout", type=float, default=60.0, help="longest wait for it (s)")
+    down.set_defaults(func=cmd_down)
 
     coordinator = commands.add_parser("coordinator", help="serve the client API")
     _common(coordinator)
@@ -257,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A configuration mistake is one line and exit code 2; Redis
     not answering is one line and exit code 1."""
+    lifeline.watch()  # a child of `duplexq up` dies with it
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     args = build_parser().parse_args(argv)
     try:

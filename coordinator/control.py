@@ -67,6 +67,7 @@ from coordinator.control_core import (
     stream_consumers,
 )
 from coordinator.replay import LogProgress, replay_greedily, replay_session
+from coordinator.stack_state import add_workdir_option
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
@@ -550,10 +551,12 @@ async def enqueue_replay(
 
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:
-    """``--pipeline``, ``--settings`` and ``--redis-url``, as every command has them."""
+    """``--pipeline``, ``--settings``, ``--redis-url`` and ``--workdir``, as every command
+    has them."""
     parser.add_argument("--pipeline", type=Path, help="pipeline file (.toml/.json)")
     parser.add_argument("--settings", type=Path, help="settings file (.toml/.json)")
     parser.add_argument("--redis-url", help="overrides settings.redis_url")
+    add_workdir_option(parser)
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -567,10 +570,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def control_command(args: argparse.Namespace) -> int:
-    from dataplane.config import load_pipeline_for, load_settings
+    from coordinator.stack_state import settings_for
+    from dataplane.config import load_pipeline_for
     from dataplane.redis_config import check_at_start
 
-    settings = load_settings(args.settings, args.redis_url)
+    settings = settings_for(args, "control")
     pipeline = load_pipeline_for(settings, args.pipeline)
     # RedisRefused (one line, exit 2) on a Redis that cannot keep acknowledged inputs.
     # One that does not answer: a one-shot run says so (exit 1); the long-running

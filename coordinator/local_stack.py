@@ -4,13 +4,20 @@ Starts Redis (a private redis-server with AOF under ``var/`` unless a Redis
 URL is given), one worker process per pipeline stage and the control plane,
 then drives a demonstration session through the pipeline: a typed turn
 answered end to end, a barge-in after which nothing stale is delivered, and a
-worker killed with SIGKILL whose session another worker takes over. It keeps serving until
+worker killed with SIGKILL whose session another worker takes over (a new worker
+then takes the killed one's place). It keeps serving until
 Ctrl-C (``--demo-only`` stops after the demonstration).
+
+Nothing it starts outlives it. Each child runs in a process group of its own, and
+``stop`` ends whatever is left in each group (a worker's vLLM engine processes) before
+it returns; if ``up`` dies without stopping (kill -9), its children die with it
+(``dataplane.lifeline``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,13 +33,15 @@ from pathlib import Path
 from coordinator.hub import terminal_stages
 from coordinator.service import Coordinator
 from dataplane.bus import RedisBus
+from dataplane.lifeline import LIFELINE_ENV, die_with_parent
 from dataplane.readiness import StageModel, read_stage
 from schemas.config import REDIS_PERSISTENCE, ConfigError, PipelineConfig, Settings
 from schemas.events import OutputEvent, OutputKind, TextPayload
 from schemas.keys import Keys
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on now, on 127.0.0.1."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -96,20 +105,25 @@ class LocalStack:
         """The names of each stage's workers started here."""
         self.loaded: dict[str, StageModel] = {}
         """What each worker serves, by worker name, once ``wait_ready`` saw it loaded."""
+        self.started: dict[str, int] = {}
+        """How many workers of each stage were started here (names are never reused)."""
+        # Held here only: when this process ends, however it ends, the Python children
+        # reading the other end kill their process groups.
+        self._lifeline_read, self._lifeline_write = os.pipe()
 
     def start_redis(self) -> Settings:
         """Start a private redis-server; returns the settings pointing at it."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup installs it)")
-        port = _free_port()
+        port = free_port()
         data = self.workdir / "redis"
         data.mkdir(parents=True, exist_ok=True)
         args = [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
             *REDIS_PERSISTENCE, "--save", "", "--maxmemory-policy", "noeviction",
         ]  # fmt: skip
-        self._spawn("redis", args)
+        self._spawn("redis", args, python=False)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -126,7 +140,7 @@ class LocalStack:
 
     def start_worker(self, stage: str, name: str) -> None:
         """Start one worker of ``stage``, serving its metrics on a port of its own."""
-        port = _free_port()
+        port = free_port()
         args = [
             sys.executable, "-m", "workers", "--stage", stage,
             "--pipeline", str(self.pipeline_path), "--worker-id", name,
@@ -135,6 +149,13 @@ class LocalStack:
         self._spawn(name, args)
         self.metrics[name] = f"{self.settings.host}:{port}"
         self.stage_workers.setdefault(stage, []).append(name)
+        self.started[stage] = self.started.get(stage, 0) + 1
+
+    def add_worker(self, stage: str) -> str:
+        """Start one more worker of ``stage``, named ``<stage>-<n>`` with a fresh n."""
+        name = f"{stage}-{self.started.get(stage, 0)}"
+        self.start_worker(stage, name)
+        return name
 
     def write_scrape_config(self, coordinator: str) -> Path:
         """A Prometheus configuration scraping the coordinator (``host:port``) and every
@@ -175,25 +196,39 @@ class LocalStack:
                 time.sleep(0.1)
         raise StartFailed("the coordinator did not start within 30 s")
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], python: bool = True) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        env = _env_for(self.settings)
         with (logs / f"{name}.log").open("ab") as log:
             # A session of its own: Ctrl-C reaches `up` alone, which then stops the
-            # children in order (Redis must not die first).
-            self.procs[name] = subprocess.Popen(
-                args,
-                env=_env_for(self.settings),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            # children in order (Redis must not die first), and the child's process
+            # group is the child and what it starts. A Python child watches the
+            # lifeline; Redis gets the kernel's parent-death signal (sent when the
+            # thread that starts it ends: every child is started on the main thread).
+            if python:
+                env[LIFELINE_ENV] = str(self._lifeline_read)
+                self.procs[name] = subprocess.Popen(
+                    args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, pass_fds=(self._lifeline_read,),
+                )  # fmt: skip
+            else:
+                # Redis starts first, before `up` runs any thread: the preexec_fn is safe.
+                self.procs[name] = subprocess.Popen(
+                    args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=die_with_parent(),  # noqa: PLW1509
+                )  # fmt: skip
 
     def kill(self, name: str) -> None:
+        """SIGKILL a child and everything it started."""
         proc = self.procs.pop(name)
         self.metrics.pop(name, None)
-        proc.send_signal(signal.SIGKILL)
+        for names in self.stage_workers.values():
+            if name in names:
+                names.remove(name)
+        _kill_group(proc.pid)
         proc.wait()
+        _end_group(proc.pid, within_s=5.0)
 
     def log_tail(self, name: str, lines: int = 3) -> str:
         """The last lines of a child's log, joined into one line."""
@@ -277,7 +312,40 @@ class LocalStack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        # What a child started and left behind (a worker killed before its vLLM engine
+        # shut down) is ended too: nothing of the stack outlives `stop`.
+        for proc in self.procs.values():
+            _end_group(proc.pid, within_s=2.0)
         self.procs.clear()
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from ``/proc``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _end_group(pgid: int, within_s: float) -> None:
+    """SIGKILL what is left of process group ``pgid`` and wait (at most ``within_s``)
+    until none of it runs."""
+    deadline = time.monotonic() + within_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        _kill_group(pgid)
+        time.sleep(0.02)
 
 
 def _ready_line(stage: str, models: Sequence[StageModel]) -> str:
@@ -386,6 +454,10 @@ async def _demonstrate_failover(
     heir = raw.decode().split()[0] if raw else "?"
     out(f"failover: killed {owner} with SIGKILL; {heir} answered {elapsed * 1000:.0f} ms "
         f"later at incarnation {got[-1].fence.incarnation}")  # fmt: skip
+    # The stack goes on serving with the workers it was asked for.
+    replacement = stack.add_worker(stage)
+    out(f"failover: started {replacement} in {owner}'s place", flush=True)
+    await stack.wait_ready([stage], out)
     return True
 
 

@@ -665,14 +665,15 @@ def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
-    from dataplane.config import load_pipeline_for, load_settings
+    from coordinator.stack_state import settings_for
+    from dataplane.config import load_pipeline_for
     from dataplane.redis_config import check_at_start
 
     if args.again and not args.greedy:
         print("duplexq replay: error: --again names the second target of a --greedy replay",
               file=sys.stderr)  # fmt: skip
         return 2
-    settings = load_settings(args.settings, args.redis_url)
+    settings = settings_for(args, "replay")
     pipeline = load_pipeline_for(settings, args.pipeline)
     # A replay writes a session: not into a Redis that cannot keep it (RedisRefused).
     asyncio.run(check_at_start(settings))

@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from dataplane.bus import RedisBus
-from schemas.config import ConfigError, PipelineConfig, Settings, load_mapping, load_pipeline
+from schemas.config import (
+    ConfigError,
+    PipelineConfig,
+    Settings,
+    load_mapping,
+    load_pipeline,
+    unknown_variables,
+)
 from schemas.config import problems as validation_problems
 
 DEFAULT_PIPELINE = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
@@ -30,8 +37,22 @@ class RedisUnreachable(RuntimeError):
     """The settings' Redis did not answer a PING in time."""
 
 
+def check_environment() -> None:
+    """ConfigError naming every ``DUPLEXQ_*`` variable that no part of duplexq reads (a
+    misspelt setting would otherwise be ignored without a word)."""
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise ConfigError(
+            f"unknown environment variable{plural} {', '.join(unknown)}; settings are "
+            "DUPLEXQ_<FIELD>, for the fields in schemas/config.py"
+        )
+
+
 def load_settings(path: Path | None, redis_url: str | None) -> Settings:
-    """Settings from ``path`` (if any), then ``DUPLEXQ_*`` variables, then ``--redis-url``."""
+    """Settings from ``path`` (if any), then ``DUPLEXQ_*`` variables, then ``--redis-url``;
+    ConfigError for a bad value or an unknown ``DUPLEXQ_*`` variable."""
+    check_environment()
     where = f"settings {path}" if path else "settings"
     values = load_mapping(path) if path else {}
     try:

@@ -10,6 +10,7 @@ so they are validated fully when loaded.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import tomllib
@@ -255,6 +256,54 @@ class Settings(BaseSettings):
         """Settings from a file's ``values`` with ``DUPLEXQ_*`` variables over them;
         ValidationError when either is wrong."""
         return cls(**{**values, **EnvSettingsSource(cls)()})
+
+
+ENV_PREFIX = "DUPLEXQ_"
+"""Every environment variable of duplexq's starts with this: ``DUPLEXQ_<FIELD>`` for each
+``Settings`` field, and the names in ``OTHER_VARIABLES``."""
+
+OTHER_VARIABLES: dict[str, str] = {
+    "DUPLEXQ_LIFELINE_FD": "set by `duplexq up` for its children (dataplane.lifeline)",
+    "DUPLEXQ_FAILPOINT": "fault injection in a worker (workers.failpoints, the tests)",
+    "DUPLEXQ_FAILPOINT_MARKER": "the file a failpoint marks when it fires",
+    "DUPLEXQ_NEMESIS_NO_HOSTS": "the nemesis tests without network namespaces",
+    "DUPLEXQ_EXTRAS": "the Python extras scripts/setup installs",
+    "DUPLEXQ_PYTHON": "the interpreter of bench/gpu.sh",
+    "DUPLEXQ_GPU_BUDGET_S": "bench/gpu.sh's time budget",
+    "DUPLEXQ_GPU_WHEELS": "bench/gpu.sh's wheel directory",
+    "DUPLEXQ_MINICPMO_MODEL": "bench/gpu_media.sh's model",
+    "DUPLEXQ_IMAGE": "docker-compose.yml: the CPU image",
+    "DUPLEXQ_GPU_IMAGE": "docker-compose.yml: the GPU image",
+    "DUPLEXQ_PYTHON_IMAGE": "docker-compose.yml: the images' base",
+    "DUPLEXQ_REDIS_IMAGE": "docker-compose.yml: the Redis image",
+    "DUPLEXQ_PROMETHEUS_IMAGE": "docker-compose.yml: the Prometheus image",
+    "DUPLEXQ_MODELS": "docker-compose.yml: the host folder of models",
+    "DUPLEXQ_REDIS_MAXMEMORY": "docker-compose.yml: Redis's memory limit",
+    "DUPLEXQ_PUBLISH_ADDR": "docker-compose.yml: the address ports are published on",
+    "DUPLEXQ_PUBLISH_PORT": "docker-compose.yml: the coordinator's published port",
+    "DUPLEXQ_ECHO_PUBLISH_PORT": "docker-compose.yml: the echo coordinator's published port",
+    "DUPLEXQ_PROMETHEUS_PORT": "docker-compose.yml: Prometheus's published port",
+    "DUPLEXQ_COMPOSE_WORK": "scripts/compose-test's work folder",
+    "DUPLEXQ_COMPOSE_KEEP_BASE": "scripts/compose-test keeps its base file system",
+    "DUPLEXQ_COMPOSE_ROUNDS": "scripts/compose-test's kill-and-restart rounds",
+    "DUPLEXQ_COMPOSE_STORAGE_DRIVER": "scripts/compose-test's Docker storage driver",
+}
+"""``DUPLEXQ_*`` variables that are not settings, with what reads them: the scripts, the
+compose file and the tests share the prefix, so a process must not refuse them."""
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """The ``DUPLEXQ_*`` names in ``environ`` that are neither a setting nor one of
+    ``OTHER_VARIABLES``, each with the closest known name when one is close, e.g.
+    ``DUPLEXQ_LEASE_TTL (did you mean DUPLEXQ_LEASE_TTL_MS?)``."""
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | set(OTHER_VARIABLES)
+    found = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        found.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    return found
 
 
 class StageConfig(_Model):

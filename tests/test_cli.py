@@ -42,6 +42,11 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
     assert "0 stale outputs delivered" in proc.stdout
     assert "answered with" in proc.stdout and "text 'hello, who are you?" in proc.stdout
     assert "at incarnation 1" in proc.stdout
+    # The failover's killed worker was replaced: the stack keeps its two per stage.
+    import re
+
+    assert re.search(r"^failover: started thinker-2 in thinker-[01]'s place$", proc.stdout, re.M)
+    assert (tmp_path / "logs" / "thinker-2.log").exists()
     assert (tmp_path / "logs" / "thinker-0.log").exists()
 
 
@@ -157,3 +162,75 @@ def test_the_coordinator_logs_its_start_and_each_request_without_query_strings(
     ), messages
     assert any('"GET /healthz HTTP/1.1" 200' in m for m in messages), messages
     assert "s3cret" not in text and "?" not in text
+
+
+def duplexq(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+
+
+def test_commands_beside_up_find_its_stack_and_down_stops_it(tmp_path):
+    """Run from the directory where ``up`` runs (its workdir is ``var`` there), a command
+    with no Redis configured uses the stack's; a second ``up`` refuses in one line; ``down``
+    stops the stack and returns once it is gone."""
+    import os
+    import re
+
+    from tests.test_up import alive, descendants, wait_serving
+
+    echo = str(ROOT / "configs" / "echo.toml")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--pipeline", echo,
+         "--port", str(free_port()), "--no-demo"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = wait_serving(up)
+        url = re.search(r"redis://127\.0\.0\.1:\d+/0", lines[0]).group(0)
+        stack = descendants(up.pid)
+        sessions = duplexq("sessions", cwd=tmp_path)
+        assert sessions.returncode == 0, sessions.stderr
+        assert sessions.stderr.splitlines() == [
+            f"duplexq sessions: using the stack running in {tmp_path / 'var'} "
+            f"(pid {up.pid}, {lines[4].split()[2].rstrip('/')}, Redis at {url})",
+            f"no open sessions in Redis at {url}",
+        ]
+        # The same from elsewhere, naming the workdir.
+        inspect = duplexq("sessions", "--workdir", str(tmp_path / "var"), "nope", cwd=ROOT)
+        assert inspect.returncode == 1 and f"Redis at {url})" in inspect.stderr
+        # A Redis that is configured wins over the stack's.
+        mine = f"redis://127.0.0.1:{free_port()}/0"
+        other = duplexq("sessions", cwd=tmp_path, env={"DUPLEXQ_REDIS_URL": mine})
+        assert other.returncode == 1 and "using the stack" not in other.stderr
+        assert f"cannot reach Redis at {mine}" in other.stderr
+        again = duplexq("up", "--pipeline", echo, "--port", str(free_port()), cwd=tmp_path)
+        assert again.returncode == 1 and again.stdout == ""
+        assert again.stderr.strip() == (
+            f"duplexq up: error: a stack is already running in {tmp_path / 'var'} "
+            f"(pid {up.pid}, {lines[4].split()[2].rstrip('/')}, Redis at {url}); "
+            "stop it with: duplexq down --workdir var"
+        )
+        down = duplexq("down", cwd=tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.splitlines()[-1] == f"stopped the stack in {tmp_path / 'var'}"
+        # down returned once up let go of its workdir: up and all of its stack are gone.
+        assert up.wait(5) == 0
+        assert not [pid for pid in stack if alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.kill()
+        up.communicate(timeout=30)
+    assert not (tmp_path / "var" / "up.json").exists()
+    gone = duplexq("down", cwd=tmp_path)
+    assert gone.returncode == 1
+    assert gone.stderr.strip() == f"duplexq down: no stack is running in {tmp_path / 'var'}"

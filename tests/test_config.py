@@ -135,3 +135,20 @@ def test_per_session_values_are_made_once_and_kept_within_a_bound():
     keys("a")
     assert made == ["a", "b", "c", "a"]
     assert keys("c") == ["c:meta"] and made[-1] == "a"  # c was kept with a
+
+
+def test_unknown_variables_are_named_with_the_closest_known_one():
+    from schemas.config import OTHER_VARIABLES, unknown_variables
+
+    environ = {
+        "DUPLEXQ_LEASE_TTL_MS": "1000",  # a setting
+        "DUPLEXQ_FAILPOINT": "x",  # read by the workers, not a setting
+        "DUPLEXQ_LEASE_TTL": "abc",
+        "DUPLEXQ_NO_SUCH": "1",
+        "PATH": "/bin",
+        **dict.fromkeys(OTHER_VARIABLES, "1"),
+    }
+    assert unknown_variables(environ) == [
+        "DUPLEXQ_LEASE_TTL (did you mean DUPLEXQ_LEASE_TTL_MS?)",
+        "DUPLEXQ_NO_SUCH",
+    ]

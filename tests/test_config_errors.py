@@ -128,3 +128,51 @@ def test_a_command_says_within_2_s_that_redis_is_unreachable(command):
     )
     # The process as a whole, interpreter start included: a generous bound, not a timing.
     assert elapsed < 2 + 3, elapsed
+
+
+@pytest.mark.parametrize(
+    ("command", "module"),
+    [
+        (["sessions"], "coordinator.cli"),
+        (["replay", "a", "b"], "coordinator.cli"),
+        (["control", "--burst"], "coordinator.cli"),
+        (["coordinator"], "coordinator.cli"),
+        (["down"], "coordinator.cli"),
+        (["--stage", "thinker"], "workers"),
+        (["up", "--pipeline", str(ROOT / "configs" / "echo.toml")], "coordinator.cli"),
+    ],
+    ids=["sessions", "replay", "control", "coordinator", "down", "worker", "up"],
+)
+def test_an_unknown_duplexq_variable_is_one_line_and_exit_2(tmp_path, command, module):
+    workdir = tmp_path / "work"
+    extra = ["--workdir", str(workdir)] if module == "coordinator.cli" else []
+    env = {"DUPLEXQ_LEASE_TTL": "abc", "DUPLEXQ_NO_SUCH": "1"}
+    done, _ = run(*command, *extra, env=env, module=module)
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = one_line(done)
+    assert line.endswith(
+        "unknown environment variables DUPLEXQ_LEASE_TTL (did you mean "
+        "DUPLEXQ_LEASE_TTL_MS?), DUPLEXQ_NO_SUCH; settings are DUPLEXQ_<FIELD>, for the "
+        "fields in schemas/config.py"
+    ), line
+    assert not workdir.exists()  # nothing started
+
+
+def test_every_duplexq_variable_the_repository_uses_is_known():
+    """The scripts, the compose file, the benchmarks and the tests set or read
+    ``DUPLEXQ_*`` variables of their own: a process they start must not refuse them."""
+    import re
+
+    from schemas.config import unknown_variables
+
+    constants = {"DUPLEXQ_SERVICES", "DUPLEXQ_COMMANDS"}  # names of tests' own tuples
+    constants |= {"DUPLEXQ_LEASE_TTL", "DUPLEXQ_NO_SUCH"}  # unknown on purpose, above
+    used: set[str] = set()
+    for folder in ("scripts", "bench", "tests", "workers", "coordinator", "dataplane", "chaos"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in ("", ".py", ".sh"):
+                used |= set(re.findall(r"DUPLEXQ_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    for path in (ROOT / "docker-compose.yml", ROOT / "Dockerfile"):
+        used |= set(re.findall(r"DUPLEXQ_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    assert "DUPLEXQ_FAILPOINT" in used and "DUPLEXQ_EXTRAS" in used
+    assert unknown_variables(dict.fromkeys(used - constants, "1")) == []

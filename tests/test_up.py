@@ -3,6 +3,7 @@ stops everything, in order, within its bound on SIGTERM or Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -58,7 +59,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_port_in_use_is_one_line_and_nothing_is_left_running(tmp_path):
+def descendants(pid: int) -> set[int]:
+    found = set()
+    todo = [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -69,8 +80,62 @@ def test_a_port_in_use_is_one_line_and_nothing_is_left_running(tmp_path):
     assert err.strip() == (
         f"duplexq up: error: port {port} on 127.0.0.1 is already in use (choose another: --port)"
     )
-    assert "demo page" not in out
-    assert "redis: ready" in out and "stopping" in out  # it started Redis, and stopped it
+    assert out == ""  # no Redis, no worker: nothing started
+    assert not (tmp_path / "logs").exists()
+
+
+def wait_serving(proc: subprocess.Popen[str], stream=None) -> list[str]:
+    stream = stream or proc.stdout
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if line.startswith("serving;"):
+            return lines
+    raise AssertionError("".join(lines) + (proc.stderr.read() if proc.stderr else ""))
+
+
+def test_kill_9_of_up_leaves_no_process_of_its_stack(tmp_path):
+    """Redis dies of the kernel's parent-death signal, the Python children of their
+    lifeline (``dataplane.lifeline``)."""
+    proc = up("--pipeline", str(ECHO), "--port", str(free_port()), "--no-demo", workdir=tmp_path)
+    try:
+        wait_serving(proc)
+        stack = descendants(proc.pid)
+        assert len(stack) >= 1 + 4 + 1 + 1
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10  # a bound, not a timing: it takes milliseconds
+    while [pid for pid in stack if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in stack if alive(pid)]
+
+
+def test_a_closed_stdout_does_not_stop_up_and_its_stop_is_clean(tmp_path):
+    """``duplexq up | head -3``: up says on stderr that stdout is gone, goes on there,
+    keeps serving, and stops everything on SIGTERM."""
+    proc = up("--pipeline", str(ECHO), "--port", str(free_port()), "--no-demo", workdir=tmp_path)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        head = [proc.stdout.readline() for _ in range(3)]
+        assert head[0].startswith("redis: ready"), head
+        proc.stdout.close()  # what head does after its third line
+        said = wait_serving(proc, proc.stderr)
+        assert said[0].startswith("duplexq up: stdout is closed; still serving"), said
+        assert any(line.startswith("demo page: ") for line in said), said
+        stack = descendants(proc.pid)
+        assert len(stack) >= 1 + 4 + 1 + 1 and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(30) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert "stopping (within 10 s)" in rest
+    assert "Traceback" not in rest and "Exception ignored" not in rest, rest
+    assert not [pid for pid in stack if alive(pid)]
 
 
 def test_a_child_that_dies_at_start_is_one_line_with_its_log(tmp_path):
@@ -151,8 +216,8 @@ def test_up_lists_every_workers_metrics_for_prometheus(tmp_path):
         jobs = {job["job_name"]: job["static_configs"][0]["targets"]
                 for job in config["scrape_configs"]}  # fmt: skip
         workers = jobs["duplexq-workers"]
-        # Two workers per stage, less the one the demonstration's failover killed.
-        assert len(workers) == 3, lines
+        # Two workers per stage: the demonstration's failover replaced the one it killed.
+        assert len(workers) == 4, lines
         assert any(line.startswith(f"worker metrics: {', '.join(workers)} ") for line in lines)
         scraped = [scrape(target) for target in [*workers, *jobs["duplexq-coordinator"]]]
     finally:
@@ -294,3 +359,77 @@ def test_a_worker_with_its_model_loaded_honours_sigterm_within_its_grace(
     assert elapsed < STOP_GRACE_S, (elapsed, log[-3000:])
     assert "worker asr-0 stopped" in log
     print(f"exited {elapsed:.2f} s after SIGTERM")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stop", "kill-9"])
+def test_the_vllm_engine_processes_of_its_workers_end_with_up(tmp_path, sig):
+    """A worker's vLLM engine runs in processes of its own (the worker's children). On a
+    clean stop they are gone by the time ``up`` returns; after kill -9 of ``up`` they die
+    with their worker (the lifeline kills the worker's whole process group)."""
+    from tests.engine_helpers import TINY_ENGINE_OPTIONS
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-model")
+    options = "\n".join(
+        f"{key} = {json.dumps(value)}" for key, value in TINY_ENGINE_OPTIONS.items()
+    )
+    pipeline = tmp_path / "chat.toml"
+    pipeline.write_text(
+        'name = "chat"\n[[stages]]\nname = "thinker"\nbackend = "vllm"\nto_client = true\n'
+        f'[stages.options]\nmodel = "{model}"\n{options}\n'
+    )
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(tmp_path / "work"),
+         "--pipeline", str(pipeline), "--port", str(free_port()), "--workers", "1", "--no-demo"],
+        cwd=ROOT, env={**os.environ, **offline, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_serving(proc)
+        worker = next(p for p in children_of(proc.pid) if b"thinker-0" in cmdline(p))
+        engine = descendants(worker)
+        assert engine, "the worker started no engine process"
+        stack = descendants(proc.pid)
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGKILL:
+        deadline = time.monotonic() + 10  # a bound, not a timing
+        while [pid for pid in stack if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not [pid for pid in stack if alive(pid)], [cmdline(p) for p in stack if alive(p)]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_up_uses_the_redis_of_duplexq_redis_url_and_says_so(tmp_path, redis_server, key_prefix):
+    env = {"DUPLEXQ_REDIS_URL": redis_server.url, "DUPLEXQ_KEY_PREFIX": key_prefix}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(tmp_path),
+         "--pipeline", str(ECHO), "--port", str(free_port()), "--workers", "1", "--no-demo"],
+        cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = wait_serving(proc)
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.keys(f"{key_prefix}*")  # the stack's workers registered there
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert lines[0] == (
+        f"redis: yours, from DUPLEXQ_REDIS_URL: {redis_server.url} "
+        "(up starts no Redis of its own)\n"
+    )
+    assert not (tmp_path / "logs" / "redis.log").exists()

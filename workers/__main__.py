@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from dataplane import lifeline
 from dataplane.config import (
     check_stage,
     load_pipeline_for,
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit 0 after a clean stop, 1 when the worker failed, 2 for a configuration
     mistake (said in one line), a Redis that cannot keep acknowledged inputs included
     (``dataplane.redis_config``)."""
+    lifeline.watch()  # a child of `duplexq up` dies with it, its vLLM engine with it
     args = parse_args(argv)
     try:
         settings = load_settings(args.settings, args.redis_url)
