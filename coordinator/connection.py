@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from coordinator import conversation
+from coordinator import client_requests, conversation
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
 from coordinator.outbound import OVERFLOW_CLOSE_CODE, OVERFLOW_REASON, Outbound, Outgoing
@@ -44,6 +44,7 @@ from coordinator.realtime import (
     parse_client_event,
     server_seq,
 )
+from coordinator.response_requests import ResponseRequests
 from coordinator.resume import replay_journal
 from coordinator.turn_clock import TurnClock
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
@@ -76,6 +77,7 @@ from schemas.realtime import (
     FunctionCallOutputItem,
     ItemCreate,
     ItemDelete,
+    ItemRetrieve,
     ItemTruncate,
     MessageItem,
     OutputAudioClear,
@@ -136,6 +138,8 @@ class Connection:
         """The highest response_seq whose response this connection has seen end (or has
         cancelled): with the session's reserved one, whether a response is in progress."""
         self.uncommitted = False
+        self.requests = ResponseRequests()
+        """What ``response.create`` does now (``coordinator.client_requests``)."""
         self._refused: set[str] = set()
         """Function calls whose late result was refused once (a re-send is taken)."""
         self.turn_clock = TurnClock()
@@ -271,8 +275,8 @@ class Connection:
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()
-        # Input sent on the old socket may wait for its commit: a response.create here
-        # asks for the response (it answers "nothing to answer" when there was none).
+        # Input sent on the old socket may wait for its commit: a commit here is taken
+        # (not refused as empty), and a response.create asks for a new response.
         self.uncommitted = True
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_seq, self.translator
@@ -369,16 +373,11 @@ class Connection:
             frame = await asyncio.to_thread(image_payload, event.image, event.pts_ms)
             await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
         elif isinstance(event, ItemCreate | ItemDelete | ItemTruncate | PlaybackAck):
+            if isinstance(event, ItemDelete):
+                client_requests.check_delete(self, event)
             await self._edit_conversation(event)
-        elif isinstance(event, AudioCommit):
-            await self._commit(announce=True)
-        elif isinstance(event, ResponseCreate):
-            tools = conversation.response_tools(event)
-            if tools is not None and self.uncommitted:
-                await self.coordinator.append(
-                    sid, InputMode.EDIT_CONVERSATION, tools, attachment=self.attachment
-                )
-            await self._commit(announce=False)
+        elif isinstance(event, AudioCommit | ResponseCreate | ItemRetrieve):
+            await client_requests.handle(self, event)
         elif isinstance(event, AudioClear):
             await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
             self.uncommitted = False
@@ -475,14 +474,13 @@ class Connection:
         reserved = (await self.coordinator.bus.hmget(sk.meta, ["resp"]))[0]
         return int(reserved or 0) > self._ended_up_to
 
-    async def _commit(self, *, announce: bool) -> None:
-        if not announce and not self.uncommitted:
-            return  # response.create right after a commit: that commit already asked
+    async def _commit(self) -> int:
+        """The client's commit ends the user's turn; the response_seq it reserved."""
         # The turn ends as its commit arrives: the clock starts before the answer (which
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
         try:
-            await self.coordinator.authority.reserve_response(
+            fence = await self.coordinator.authority.reserve_response(
                 self.session_id, attachment=self.attachment
             )
             receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
@@ -490,8 +488,8 @@ class Connection:
             self.turn_clock.forget()
             raise
         self.uncommitted = False
-        if announce:
-            await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
+        await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
+        return fence.response_seq
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})
@@ -503,6 +501,8 @@ class Connection:
         await self.coordinator.authority.journal(
             self.session_id, event, attachment=self.attachment, receipt=receipt
         )
+        if event["type"] == "conversation.item.created":  # known before the pump frames it
+            self.translator.items.add(event["item"])
 
     async def _append(self, mode: InputMode, payload: Payload) -> int:
         receipt = await self.coordinator.append(
