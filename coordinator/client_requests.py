@@ -23,6 +23,7 @@ from coordinator.realtime import invalid_event
 from coordinator.response_requests import Create, options_edit, requested_notice
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import CommitPayload, InputMode
+from schemas.items import response_id
 from schemas.realtime import AudioCommit, ItemDelete, ItemRetrieve, ResponseCreate
 from schemas.response_params import ResponseParams
 
@@ -50,7 +51,7 @@ async def create(conn: Connection, event: ResponseCreate) -> None:
     params = params_of(event)
     decision = conn.requests.decide(
         new_input=conn.uncommitted,
-        streaming=conn.translator.active is not None,
+        streaming=conn.translator.active,
         ended_up_to=conn._ended_up_to,
     )
     if decision is Create.REFUSE:
@@ -79,7 +80,7 @@ async def _new_response(conn: Connection, params: ResponseParams) -> None:
     conn.turn_clock.committed(time.monotonic())
     try:
         fence = await conn.coordinator.authority.reserve_response(sid, attachment=conn.attachment)
-        notice = requested_notice(params, fence.response_seq)
+        notice = requested_notice(params, response_id(fence))
         if notice is not None:  # before the commit: in the journal before any output
             await conn._journal(notice)
         await conn._append(InputMode.TURN_COMMIT_ONLY, CommitPayload(respond=True))
@@ -97,7 +98,7 @@ async def commit(conn: Connection) -> None:
             ErrorCode.INPUT_AUDIO_BUFFER_COMMIT_EMPTY,
             "the input audio buffer is empty: nothing was appended since the last commit or clear",
         )
-    conn.requests.committed(await conn._commit())
+    conn.requests.committed(response_id(await conn._commit()))
 
 
 def check_delete(conn: Connection, event: ItemDelete) -> None:

@@ -67,6 +67,7 @@ from schemas.events import (
     PlaybackPayload,
     TextPayload,
 )
+from schemas.fence import Fence
 from schemas.items import response_id
 from schemas.realtime import (
     AudioAppend,
@@ -474,8 +475,8 @@ class Connection:
         reserved = (await self.coordinator.bus.hmget(sk.meta, ["resp"]))[0]
         return int(reserved or 0) > self._ended_up_to
 
-    async def _commit(self) -> int:
-        """The client's commit ends the user's turn; the response_seq it reserved."""
+    async def _commit(self) -> Fence:
+        """The client's commit ends the user's turn; the fence of the response it reserved."""
         # The turn ends as its commit arrives: the clock starts before the answer (which
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
@@ -489,7 +490,7 @@ class Connection:
             raise
         self.uncommitted = False
         await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
-        return fence.response_seq
+        return fence
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})

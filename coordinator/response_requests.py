@@ -56,23 +56,27 @@ class ResponseRequests:
     def __init__(self) -> None:
         self.claimable = False
         """A client commit's response that no ``response.create`` has claimed yet."""
-        self.claimed = 0
-        """The response_seq of the latest client commit's response."""
+        self.claimed = ""
+        """The id of the latest client commit's response."""
         self.asked_up_to = 0
         """The response_seq of the latest response a ``response.create`` reserved."""
 
-    def committed(self, response_seq: int) -> None:
-        """The client committed its input: that commit asked for response ``response_seq``."""
+    def committed(self, response: str) -> None:
+        """The client committed its input: that commit asked for ``response`` (its id)."""
         self.claimable = True
-        self.claimed = response_seq
+        self.claimed = response
 
-    def decide(self, *, new_input: bool, streaming: bool, ended_up_to: int) -> Create:
-        """``new_input``: input arrived since the last commit; ``streaming``: a response is
-        being sent; ``ended_up_to``: the highest response_seq seen to end."""
+    def decide(self, *, new_input: bool, streaming: str | None, ended_up_to: int) -> Create:
+        """``new_input``: input arrived since the last commit; ``streaming``: the id of the
+        response being sent, if any; ``ended_up_to``: the highest response_seq seen to
+        end. A response streaming under a response_seq that has ended already (output of
+        a stage that answers input before its commit, like echo) is not in progress: the
+        next commit ends it."""
         if self.claimable and not new_input:
             self.claimable = False
             return Create.CLAIM
-        if streaming or self.asked_up_to > ended_up_to:
+        running = streaming is not None and (response_seq_of(streaming) or 0) > ended_up_to
+        if running or self.asked_up_to > ended_up_to:
             return Create.REFUSE
         self.claimable = False
         return Create.NEW
@@ -98,11 +102,11 @@ def options_edit(params: ResponseParams) -> ConversationPayload | None:
     return ConversationPayload("next_response", "", text=json.dumps(chosen)) if chosen else None
 
 
-def requested_notice(params: ResponseParams, response_seq: int) -> ServerEvent | None:
-    """The journal notice of what the client sees of the response (None: nothing)."""
+def requested_notice(params: ResponseParams, response: str) -> ServerEvent | None:
+    """The journal notice of what the client sees of ``response`` (None: nothing)."""
     if params.metadata is None and not params.out_of_band:
         return None
-    notice: ServerEvent = {"type": REQUESTED, "response_seq": response_seq}
+    notice: ServerEvent = {"type": REQUESTED, "response_id": response}
     if params.metadata is not None:
         notice["metadata"] = dict(params.metadata)
     if params.out_of_band:
@@ -110,10 +114,8 @@ def requested_notice(params: ResponseParams, response_seq: int) -> ServerEvent |
     return notice
 
 
-def _response_seq(response_id: object) -> int | None:
-    """``resp_E_T_R`` -> R."""
-    if not isinstance(response_id, str):
-        return None
+def response_seq_of(response_id: str) -> int | None:
+    """``resp_E_T_R`` -> R (``schemas.items.response_id``)."""
     tail = response_id.rsplit("_", 1)[-1]
     return int(tail) if tail.isdigit() else None
 
@@ -122,7 +124,7 @@ class RequestedResponses:
     """The requested options of the session's responses, applied as they are framed."""
 
     def __init__(self) -> None:
-        self._requests: OrderedDict[int, ServerEvent] = OrderedDict()
+        self._requests: OrderedDict[str, ServerEvent] = OrderedDict()
         self._outside: str | None = None
         """The item id of the out-of-band response being framed."""
 
@@ -131,7 +133,7 @@ class RequestedResponses:
         for event in events:
             kind = event.get("type")
             if kind == REQUESTED:
-                self._requests[int(event.get("response_seq", 0))] = event
+                self._requests[str(event.get("response_id"))] = event
                 while len(self._requests) > REQUESTS_KEPT:
                     self._requests.popitem(last=False)
                 continue
@@ -146,7 +148,7 @@ class RequestedResponses:
 
     def _decorate(self, event: ServerEvent) -> None:
         response = event["response"]
-        request = self._requests.get(_response_seq(response.get("id")) or -1)
+        request = self._requests.get(str(response.get("id")))
         if event["type"] == "response.created":
             out = request is not None and request.get("conversation") == "none"
             self._outside = item_id_for(str(response["id"])) if out else None
