@@ -368,7 +368,7 @@ class ChaosClient:
         self._asked_after[item_id] = await self._send({"type": "response.create"})
 
     async def _send_refused_again(self) -> None:
-        """Send again, after a pause, what the server refused for a full Redis. A
+        """Send again, after a pause, what the server refused (``SENT_AGAIN``). A
         refused item goes again with a new ``response.create`` (the one sent after it
         is then not sent again: if it was taken, it found nothing new to answer)."""
         await asyncio.sleep(self.config.refused_pause_s)
@@ -492,11 +492,17 @@ class ChaosClient:
                 self._record("cancel_refused")
             else:
                 event_id = str((event.get("error") or {}).get("event_id", ""))
-                if code == "redis_full" and event_id in self._sent:
+                if code in SENT_AGAIN and event_id in self._sent:
                     self._refused.append(event_id)
                 self._record("error", detail=code)
         elif kind == "duplexq.session.closed":
             self._record("dead", detail="session closed")
+
+
+SENT_AGAIN = frozenset({"redis_full", "conversation_already_has_active_response"})
+"""Refusals of an event that the same event, sent again after a pause, gets past: Redis
+had no room, or the response before was still in progress (echo streams the blocks of
+a typed input before its response.create's commit ends that response)."""
 
 
 def _own(event: dict[str, Any]) -> dict[str, Any]:

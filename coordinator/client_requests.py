@@ -3,9 +3,10 @@ connection (the shell around ``coordinator.response_requests`` and
 ``coordinator.items``).
 
 - ``response.create``: claimed by the client commit before it, refused while a
-  response is in progress, or a new response from the conversation (its own
-  options passed down first, its client-side options journaled before its
-  commit, so that the response's first event finds them);
+  response another ``response.create`` asked for is in progress, or a new
+  response from the conversation (its own options passed down first, its
+  client-side options journaled before its commit, so that the response's first
+  event finds them);
 - ``input_audio_buffer.commit`` with nothing appended since the last commit or
   clear: ``input_audio_buffer_commit_empty``;
 - ``conversation.item.delete`` / ``.retrieve`` of an item the conversation does
@@ -49,11 +50,7 @@ def params_of(event: ResponseCreate) -> ResponseParams:
 
 async def create(conn: Connection, event: ResponseCreate) -> None:
     params = params_of(event)
-    decision = conn.requests.decide(
-        new_input=conn.uncommitted,
-        streaming=conn.translator.active,
-        ended_up_to=conn._ended_up_to,
-    )
+    decision = conn.requests.decide(new_input=conn.uncommitted, ended_up_to=conn._ended_up_to)
     if decision is Create.REFUSE:
         raise ProtocolError(
             ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,

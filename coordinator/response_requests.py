@@ -6,9 +6,9 @@ A connection decides each ``response.create`` with ``ResponseRequests``::
     ------------------------------------------------------  ---------------------------
     a client commit asked for a response and no input came  CLAIM: that commit's response
       since, and no response.create claimed it yet            is this one (nothing new)
-    a response is streaming, or one a response.create       REFUSE: error
-      asked for has not been seen to end                      conversation_already_has_
-                                                              active_response
+    a response a response.create asked for has not been     REFUSE: error
+      seen to end (``ResponseRequests.decide`` says why       conversation_already_has_
+      only those)                                             active_response
     otherwise                                               NEW: a commit that asks the
                                                               model to answer from the
                                                               conversation, whatever the
@@ -66,17 +66,21 @@ class ResponseRequests:
         self.claimable = True
         self.claimed = response
 
-    def decide(self, *, new_input: bool, streaming: str | None, ended_up_to: int) -> Create:
-        """``new_input``: input arrived since the last commit; ``streaming``: the id of the
-        response being sent, if any; ``ended_up_to``: the highest response_seq seen to
-        end. A response streaming under a response_seq that has ended already (output of
-        a stage that answers input before its commit, like echo) is not in progress: the
-        next commit ends it."""
+    def decide(self, *, new_input: bool, ended_up_to: int) -> Create:
+        """``new_input``: input arrived since the last commit; ``ended_up_to``: the highest
+        response_seq seen to end.
+
+        In progress is a response a ``response.create`` asked for: its commit asks the
+        model to answer whatever the turn holds, so it always ends. Others are not
+        counted: a client commit's or a server VAD turn's may never come (the asr stage
+        heard nothing in the turn), and a stage may stream output before any commit
+        (echo answers typed text at once) under a reservation no commit followed (one
+        whose commit Redis refused); refusing for those could refuse forever. A
+        ``response.create`` during them supersedes them, as a newer turn does."""
         if self.claimable and not new_input:
             self.claimable = False
             return Create.CLAIM
-        running = streaming is not None and (response_seq_of(streaming) or 0) > ended_up_to
-        if running or self.asked_up_to > ended_up_to:
+        if self.asked_up_to > ended_up_to:
             return Create.REFUSE
         self.claimable = False
         return Create.NEW
@@ -112,12 +116,6 @@ def requested_notice(params: ResponseParams, response: str) -> ServerEvent | Non
     if params.out_of_band:
         notice["conversation"] = "none"
     return notice
-
-
-def response_seq_of(response_id: str) -> int | None:
-    """``resp_E_T_R`` -> R (``schemas.items.response_id``)."""
-    tail = response_id.rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 class RequestedResponses:

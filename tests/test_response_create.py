@@ -42,18 +42,14 @@ def _types(events: list[dict[str, Any]]) -> list[str]:
 def test_a_create_claims_a_commits_response_once_then_asks_or_is_refused():
     requests = ResponseRequests()
     requests.committed("resp_0_0_1")
-    streaming = "resp_0_0_1"
-    assert requests.decide(new_input=False, streaming=streaming, ended_up_to=0) is Create.CLAIM
-    # The commit's response is streaming: a second create is refused.
-    assert requests.decide(new_input=False, streaming=streaming, ended_up_to=0) is Create.REFUSE
-    assert requests.decide(new_input=False, streaming=None, ended_up_to=1) is Create.NEW
+    assert requests.decide(new_input=False, ended_up_to=0) is Create.CLAIM
+    # A commit's response may never come (nothing heard): it does not refuse a create.
+    assert requests.decide(new_input=False, ended_up_to=0) is Create.NEW
     requests.asked(2)
     # Reserved by a create and not yet seen to end: in progress, though nothing streams.
-    assert requests.decide(new_input=True, streaming=None, ended_up_to=1) is Create.REFUSE
-    assert requests.decide(new_input=True, streaming=None, ended_up_to=2) is Create.NEW
-    # Output under a response that has ended (echo answering typed text before its
-    # commit) is no response in progress.
-    assert requests.decide(new_input=True, streaming="resp_0_1_2", ended_up_to=2) is Create.NEW
+    assert requests.decide(new_input=True, ended_up_to=1) is Create.REFUSE
+    assert requests.decide(new_input=False, ended_up_to=1) is Create.REFUSE
+    assert requests.decide(new_input=True, ended_up_to=2) is Create.NEW
 
 
 def test_requested_options_frame_the_response_and_never_reach_the_client():
