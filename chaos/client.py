@@ -114,6 +114,9 @@ class ChaosClient:
         self.session_id = ""
         """The session's id (for finding it in the processes' logs)."""
         self._call: str | None = None
+        self._call_ended = False
+        """The response that made ``_call`` is done: its result may go (a response.create
+        while a response is in progress is refused)."""
         """The outstanding attempt's function call, waiting for this client's result."""
         self._result_for: str | None = None
         """The call this client's last result answered, and the socket it went on."""
@@ -203,7 +206,7 @@ class ChaosClient:
                     await self._cancel()  # it may have been lost with the socket
             if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
-            if self._call is not None and not cancel_sent:
+            if self._call is not None and self._call_ended and not cancel_sent:
                 await self._send_result(self._call)
             if not cancel_sent and len(self.blocks) >= BLOCKS and cancel_after is None:
                 return True
@@ -365,7 +368,7 @@ class ChaosClient:
         self._asked_after[item_id] = await self._send({"type": "response.create"})
 
     async def _send_refused_again(self) -> None:
-        """Send again, after a pause, what the server refused for a full Redis. A
+        """Send again, after a pause, what the server refused (``SENT_AGAIN``). A
         refused item goes again with a new ``response.create`` (the one sent after it
         is then not sent again: if it was taken, it found nothing new to answer)."""
         await asyncio.sleep(self.config.refused_pause_s)
@@ -458,7 +461,7 @@ class ChaosClient:
         call_id = str(event.get("call_id", ""))
         self._record("call", attempt=blocks[0].attempt, epoch=epoch, detail=call_id)
         if blocks[0].attempt == self.outstanding:
-            self._call = call_id
+            self._call, self._call_ended = call_id, False
 
     def _handle(self, event: dict[str, Any]) -> None:
         own = _own(event)
@@ -478,6 +481,8 @@ class ChaosClient:
             self._record("cancelled", epoch=epoch)
         elif kind == "response.function_call_arguments.done":
             self._on_call(event, epoch)
+        elif kind == "response.done":
+            self._call_ended = True
         elif kind == "response.output_text.delta":
             self._on_delta(event, epoch)
         elif kind == "error":
@@ -487,11 +492,17 @@ class ChaosClient:
                 self._record("cancel_refused")
             else:
                 event_id = str((event.get("error") or {}).get("event_id", ""))
-                if code == "redis_full" and event_id in self._sent:
+                if code in SENT_AGAIN and event_id in self._sent:
                     self._refused.append(event_id)
                 self._record("error", detail=code)
         elif kind == "duplexq.session.closed":
             self._record("dead", detail="session closed")
+
+
+SENT_AGAIN = frozenset({"redis_full", "conversation_already_has_active_response"})
+"""Refusals of an event that the same event, sent again after a pause, gets past: Redis
+had no room, or the response before was still in progress (echo streams the blocks of
+a typed input before its response.create's commit ends that response)."""
 
 
 def _own(event: dict[str, Any]) -> dict[str, Any]:

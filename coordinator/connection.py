@@ -28,7 +28,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from coordinator import conversation, socket_io
+from coordinator import client_requests, conversation, socket_io
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
 from coordinator.outbound import OVERFLOW_CLOSE_CODE, Outbound, Outgoing
@@ -42,6 +42,7 @@ from coordinator.realtime import (
     server_seq,
     spoken_item,
 )
+from coordinator.response_requests import ResponseRequests
 from coordinator.resume import replay_journal
 from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
@@ -65,6 +66,7 @@ from schemas.events import (
     PlaybackPayload,
     TextPayload,
 )
+from schemas.fence import Fence
 from schemas.items import response_id
 from schemas.realtime import (
     AudioAppend,
@@ -75,6 +77,7 @@ from schemas.realtime import (
     FunctionCallOutputItem,
     ItemCreate,
     ItemDelete,
+    ItemRetrieve,
     ItemTruncate,
     MessageItem,
     OutputAudioClear,
@@ -128,6 +131,8 @@ class Connection:
         """The highest response_seq whose response this connection has seen end (or has
         cancelled): with the session's reserved one, whether a response is in progress."""
         self.uncommitted = False
+        self.requests = ResponseRequests()
+        """What ``response.create`` does now (``coordinator.client_requests``)."""
         self._refused: set[str] = set()
         """Function calls whose late result was refused once (a re-send is taken)."""
         self.turn_clock = TurnClock()
@@ -266,8 +271,8 @@ class Connection:
         self.session_id = session_id
         self.config = await self._stored_config()
         self.translator.spoken = stage_settings(self.config).audio_output
-        # Input sent on the old socket may wait for its commit: a response.create here
-        # asks for the response (it answers "nothing to answer" when there was none).
+        # Input sent on the old socket may wait for its commit: a commit here is taken
+        # (not refused as empty), and a response.create asks for a new response.
         self.uncommitted = True
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_seq, self.translator
@@ -365,16 +370,11 @@ class Connection:
             frame = await asyncio.to_thread(image_payload, event.image, event.pts_ms)
             await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
         elif isinstance(event, ItemCreate | ItemDelete | ItemTruncate | PlaybackAck):
+            if isinstance(event, ItemDelete):
+                client_requests.check_delete(self, event)
             await self._edit_conversation(event)
-        elif isinstance(event, AudioCommit):
-            await self._commit(announce=True)
-        elif isinstance(event, ResponseCreate):
-            tools = conversation.response_tools(event)
-            if tools is not None and self.uncommitted:
-                await self.coordinator.append(
-                    sid, InputMode.EDIT_CONVERSATION, tools, attachment=self.attachment
-                )
-            await self._commit(announce=False)
+        elif isinstance(event, AudioCommit | ResponseCreate | ItemRetrieve):
+            await client_requests.handle(self, event)
         elif isinstance(event, AudioClear):
             await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
             self.uncommitted = False
@@ -474,14 +474,13 @@ class Connection:
         reserved = (await self.coordinator.bus.hmget(sk.meta, ["resp"]))[0]
         return int(reserved or 0) > self._ended_up_to
 
-    async def _commit(self, *, announce: bool) -> None:
-        if not announce and not self.uncommitted:
-            return  # response.create right after a commit: that commit already asked
+    async def _commit(self) -> Fence:
+        """The client's commit ends the user's turn; the fence of the response it reserved."""
         # The turn ends as its commit arrives: the clock starts before the answer (which
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
         try:
-            await self.coordinator.authority.reserve_response(
+            fence = await self.coordinator.authority.reserve_response(
                 self.session_id, attachment=self.attachment
             )
             receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
@@ -489,10 +488,10 @@ class Connection:
             self.turn_clock.forget()
             raise
         self.uncommitted = False
-        if announce:
-            await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
-            for event in spoken_item(f"item_{receipt}"):
-                await self._journal(event)
+        await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
+        for event in spoken_item(f"item_{receipt}"):
+            await self._journal(event)
+        return fence
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})
@@ -504,6 +503,8 @@ class Connection:
         await self.coordinator.authority.journal(
             self.session_id, event, attachment=self.attachment, receipt=receipt
         )
+        if event["type"] == "conversation.item.created":  # known before the pump frames it
+            self.translator.items.add(event["item"])
 
     async def _append(self, mode: InputMode, payload: Payload) -> int:
         receipt = await self.coordinator.append(

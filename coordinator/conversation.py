@@ -16,13 +16,10 @@ it; deleting one the conversation does not hold changes nothing.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
-from pydantic import ValidationError
-
-from coordinator.realtime import ServerEventTranslator, invalid_event
+from coordinator.realtime import ServerEventTranslator
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import ConversationPayload
 from schemas.items import item_id_for
@@ -33,9 +30,7 @@ from schemas.realtime import (
     ItemTruncate,
     MessageItem,
     PlaybackAck,
-    ResponseCreate,
 )
-from schemas.tools import ResponseOptions, choice_text, tools_text
 
 Notice = dict[str, Any]
 
@@ -61,24 +56,6 @@ def created_notice(event: ItemCreate, item_id: str) -> Notice:
     item = {**event.item.model_dump(mode="json", exclude_none=True), "id": item_id,
             "object": "realtime.item", "status": "completed"}  # fmt: skip
     return {"type": "conversation.item.created", "item": item}
-
-
-def response_tools(event: ResponseCreate) -> ConversationPayload | None:
-    """The tools a ``response.create`` names for its one response (``response.tools``,
-    ``response.tool_choice``), as the edit that tells the model stage; None when it
-    names none (the session's apply)."""
-    try:
-        options = ResponseOptions.model_validate(event.response or {})
-    except ValidationError as exc:
-        raise invalid_event(event.type, exc, skip=0, whole="response") from exc
-    if options.tools is None and options.tool_choice is None:
-        return None
-    chosen: dict[str, str] = {}
-    if options.tools is not None:
-        chosen["tools"] = tools_text(options.tools) or "[]"
-    if options.tool_choice is not None:
-        chosen["tool_choice"] = choice_text(options.tool_choice)
-    return ConversationPayload("next_response", "", text=json.dumps(chosen))
 
 
 def check_output(

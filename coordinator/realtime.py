@@ -28,6 +28,8 @@ from pydantic import ValidationError
 
 from coordinator import g711
 from coordinator.frames import ResponseFrame, Timeline, created
+from coordinator.items import ConversationItems, announced
+from coordinator.response_requests import RequestedResponses
 from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import (
@@ -180,6 +182,10 @@ class ServerEventTranslator:
         (a resumed connection sets it from the stored configuration)."""
         self._spoken_by: dict[str, bool] = {}
         """Each stage's ``audio_output`` as the settings it passed on said."""
+        self.requested = RequestedResponses()
+        """What the client asked of each response (``coordinator.response_requests``)."""
+        self.items = ConversationItems()
+        """The conversation's items as the journal told them (``coordinator.items``)."""
 
     @property
     def active(self) -> str | None:
@@ -199,6 +205,7 @@ class ServerEventTranslator:
         barriers had a journal seq)."""
         self.epoch = max(self.epoch, item.fence.epoch)
         events = self._control(item) if isinstance(item, ControlEvent) else self._output(item)
+        events = announced(self.requested.frame(events))
         if journal_seq:
             self._journal_seq, self._index = journal_seq, 0
         for event in events:
@@ -208,6 +215,7 @@ class ServerEventTranslator:
             own["seq"] = seq
             own.setdefault("fence", _fence_fields(item.fence))
             self._index += 1
+            self.items.observe(event)
         return events
 
     def _control(self, control: ControlEvent) -> list[ServerEvent]:

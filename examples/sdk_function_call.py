@@ -45,21 +45,27 @@ async def call_and_answer(base_url: str, api_key: str, text: str) -> tuple[list[
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": text}]})  # fmt: skip
             await connection.response.create()
+            results: list[dict[str, str]] = []
             async for event in connection:
                 if event.type == "response.function_call_arguments.done":
                     calls.append(f"{event.name}({event.arguments})")
                     print(f"[calling {calls[-1]}]", flush=True)
                     result = get_time(json.loads(event.arguments or "{}"))
-                    await connection.conversation.item.create(item={
-                        "type": "function_call_output", "call_id": event.call_id,
-                        "output": result})  # fmt: skip
-                    await connection.response.create()
+                    results.append({"type": "function_call_output", "call_id": event.call_id,
+                                    "output": result})  # fmt: skip
                 elif event.type == "response.output_text.delta":
                     answer.append(event.delta)
                     print(event.delta, end="", flush=True)
                 elif event.type == "response.done" and answer:
                     print(flush=True)
                     break
+                elif event.type == "response.done" and results:
+                    # The results go back once the response that made the calls is done:
+                    # a response.create while one is in progress is refused.
+                    for item in results:
+                        await connection.conversation.item.create(item=item)
+                    results.clear()
+                    await connection.response.create()
     finally:
         await client.close()
     return calls, "".join(answer)

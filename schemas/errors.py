@@ -25,7 +25,12 @@ Hierarchy::
     │                                 invalid_json, unknown_event, invalid_event,
     │                                 event_too_large, invalid_base64, invalid_audio,
     │                                 invalid_image, unsupported_field (a session
-    │                                 field duplexq does not do; the error names it)
+    │                                 field duplexq does not do; the error names it);
+    │                                 and the reference API's own:
+    │                                 conversation_already_has_active_response,
+    │                                 item_delete_invalid_item_id,
+    │                                 item_retrieve_invalid_item_id,
+    │                                 input_audio_buffer_commit_empty
     └── AuthError                     unauthorized / resume_failed
 
 Third-party exceptions are translated where they enter duplexq
@@ -79,6 +84,16 @@ class ErrorCode(StrEnum):
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
     """``response.cancel`` while no response is reserved or streaming (as the reference
     API answers it); ``barge_in`` is never refused."""
+    CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE = "conversation_already_has_active_response"
+    """``response.create`` while a response is in progress (as the reference API answers
+    it): refused; the response in progress goes on."""
+    ITEM_DELETE_INVALID_ITEM_ID = "item_delete_invalid_item_id"
+    """``conversation.item.delete`` of an item the conversation does not hold."""
+    ITEM_RETRIEVE_INVALID_ITEM_ID = "item_retrieve_invalid_item_id"
+    """``conversation.item.retrieve`` of an item the conversation does not hold."""
+    INPUT_AUDIO_BUFFER_COMMIT_EMPTY = "input_audio_buffer_commit_empty"
+    """``input_audio_buffer.commit`` with no audio appended since the last commit or
+    clear: nothing is committed."""
     REDIS_FULL = "redis_full"
     """Redis is at its ``maxmemory`` (``noeviction``) and refused the write an event needed:
     the event was not taken; the connection and the session go on, and the same event

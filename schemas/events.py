@@ -87,7 +87,12 @@ class UnitPayload(msgspec.Struct, frozen=True, tag="unit"):
 
 
 class CommitPayload(msgspec.Struct, frozen=True, tag="commit"):
-    pass
+    """The end of the user's turn (``input_audio_buffer.commit``, ``response.create``)."""
+
+    respond: bool = False
+    """A ``response.create`` asked for this response: the model answers from the
+    conversation even when the turn added nothing (no speech heard, a function's result,
+    no new input at all), and every stage passes the turn's end on for it."""
 
 
 class ClearPayload(msgspec.Struct, frozen=True, tag="clear"):

@@ -18,6 +18,7 @@ input_audio_buffer.clear            drop audio since the last commit
 conversation.item.create            a user, assistant or system text message
 conversation.item.delete            remove an item from the model's conversation
 conversation.item.truncate          keep only what the user heard of an answer
+conversation.item.retrieve          the server's view of one item (``.retrieved``)
 response.create                     ask for a response now
 response.cancel                     cancel the response in progress (an error if none)
 output_audio_buffer.clear           cut the response's audio off (a cancel)
@@ -176,6 +177,13 @@ class ItemDelete(_Event):
     item_id: str = Field(pattern=ITEM_ID)
 
 
+class ItemRetrieve(_Event):
+    """Ask for one item of the conversation (answered ``conversation.item.retrieved``)."""
+
+    type: Literal["conversation.item.retrieve"]
+    item_id: str = Field(pattern=ITEM_ID)
+
+
 class ItemTruncate(_Event):
     """Cut an assistant item's audio at ``audio_end_ms``: the model's conversation keeps
     only what the user heard of it."""
@@ -228,6 +236,7 @@ ClientEvent = Annotated[
     | ItemCreate
     | ItemDelete
     | ItemTruncate
+    | ItemRetrieve
     | ResponseCreate
     | ResponseCancel
     | BargeIn
@@ -247,6 +256,7 @@ CLIENT_EVENT_TYPES = frozenset(
         "conversation.item.create",
         "conversation.item.delete",
         "conversation.item.truncate",
+        "conversation.item.retrieve",
         "response.create",
         "response.cancel",
         "duplexq.barge_in",

@@ -41,15 +41,6 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
-class ResponseOptions(BaseModel):
-    """What ``response.create``'s ``response`` may set for that one response."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    tools: tuple[FunctionTool, ...] | None = Field(None, max_length=64)
-    tool_choice: ToolChoice | None = None
-
-
 def tools_text(tools: tuple[FunctionTool, ...]) -> str:
     """Tools as the stages take them (empty: none)."""
     if not tools:

@@ -89,7 +89,7 @@ async def test_items_of_every_role_deletes_and_truncation_reach_the_model(settin
             await connection.conversation.item.create(item={
                 "type": "message", "role": role, "content": [{"type": kind, "text": text}],
                 **item})  # fmt: skip
-            done = await receive(connection, seen, lambda e: e["type"].startswith("conversation"))
+            done = await receive(connection, seen, lambda e: e["type"] == "conversation.item.done")
             return done[-1]["item"]
 
         system = await create("system", "Be terse.")

@@ -75,7 +75,7 @@ def _with_third_party_warnings(fn):
     return fn
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @_with_third_party_warnings
 async def test_the_shipped_thinker_answers_in_real_words(redis_server, key_prefix, monkeypatch):
     from workers.backends.vllm_backend import VllmBackend
@@ -107,6 +107,7 @@ async def test_the_shipped_thinker_answers_in_real_words(redis_server, key_prefi
         answer = "".join(o.text for o in outputs_of(got, OutputKind.TEXT_DELTA))
         assert "Paris" in answer, answer
         await _a_forced_call(settings, chat, backend)
+        await _the_tool_loop_through_vad_and_asr(settings, pipeline, backend)
     finally:
         await coordinator.aclose()
         await backend.engine.shutdown()
@@ -145,3 +146,57 @@ async def _a_forced_call(settings, chat, backend) -> None:
     assert isinstance(json.loads(call.text)["city"], str)
     prompt = backend.records[outputs_of(got, OutputKind.DONE)[0].meta["request_id"]].prompt
     assert "You can call functions" in prompt and '"name": "get_weather"' in prompt
+
+
+async def _the_tool_loop_through_vad_and_asr(settings, pipeline, backend) -> None:
+    """The shipped pipeline's vad -> asr -> thinker (no speech synthesis): a forced call,
+    the client's result, and the answer a ``response.create`` asks for (what the
+    connection appends: ``CommitPayload(respond=True)``), though the asr stage heard
+    nothing in that turn."""
+    from schemas.events import CommitPayload, ConversationPayload, InputMode, SettingsPayload
+    from schemas.tools import FunctionTool, tools_text
+    from workers.backends.asr import AsrBackend
+    from workers.backends.vad import VadBackend
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    tool = FunctionTool(name="get_weather", description="The weather in a city.",
+                        parameters=schema)  # fmt: skip
+    spoken = PipelineConfig(
+        name="spoken", stages=tuple(s for s in pipeline.stages if s.name != "tts")
+    )
+    coordinator = Coordinator(settings, spoken)
+
+    async def respond(sid: str) -> list:
+        await coordinator.authority.reserve_response(sid)
+        await coordinator.append(sid, InputMode.TURN_COMMIT_ONLY, CommitPayload(respond=True))
+
+        def answered(got) -> bool:
+            return any(o.stage == "thinker" for o in outputs_of(got, OutputKind.DONE))
+
+        got = await read_until(coordinator, answered, timeout=240)
+        return [o for o in outputs_of(got) if o.stage == "thinker"]
+
+    try:
+        async with (
+            running_worker(settings, spoken, "vad", backend=VadBackend({})),
+            running_worker(settings, spoken, "asr", backend=AsrBackend({})),
+            running_worker(settings, spoken, "thinker", backend=backend),
+        ):
+            await coordinator.open("s3")
+            forced = SettingsPayload(tools=tools_text((tool,)), tool_choice="function:get_weather")
+            await coordinator.append("s3", InputMode.UPDATE_SESSION, forced)
+            await coordinator.append("s3", "append_text", TextPayload("Weather in Paris?"))
+            [call] = [o for o in await respond("s3") if o.kind is OutputKind.FUNCTION_CALL]
+            auto = SettingsPayload(tools=tools_text((tool,)), tool_choice="auto")
+            await coordinator.append("s3", InputMode.UPDATE_SESSION, auto)
+            result = ConversationPayload("add", "item_result", role="tool", text="Sunny, 21 C",
+                                         call_id=str(call.meta["call_id"]))  # fmt: skip
+            await coordinator.append("s3", InputMode.EDIT_CONVERSATION, result)
+            answer = await respond("s3")
+    finally:
+        await coordinator.aclose()
+    said = [o for o in answer if o.kind in (OutputKind.TEXT_DELTA, OutputKind.FUNCTION_CALL)]
+    assert said and "".join(o.text for o in said).strip()
+    request_id = next(o for o in answer if o.kind is OutputKind.DONE).meta["request_id"]
+    assert "Sunny, 21 C" in backend.records[request_id].prompt

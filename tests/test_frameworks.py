@@ -38,6 +38,9 @@ API_KEY = "sk-frameworks-test"
 START_S = 600
 """How long the default stack may take to load every stage (vLLM on 2 CPU cores)."""
 
+# The first test waits for the stack to load; each drives a framework through real turns.
+pytestmark = pytest.mark.timeout(START_S + 420)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
@@ -60,7 +63,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + START_S
-        while "serving; Ctrl-C to stop" not in (workdir / "up.log").read_text():
+        while "\nserving; " not in (workdir / "up.log").read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail("duplexq up did not start:\n" + (workdir / "up.log").read_text())
             time.sleep(0.5)

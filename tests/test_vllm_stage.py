@@ -179,6 +179,24 @@ def test_edits_replayed_by_a_rebuild_give_the_same_history():
     assert history.chat(str)[-1] == {"role": "assistant", "content": "Hi"}
 
 
+def test_a_rebuild_leaves_out_of_band_answers_out_and_hands_on_options_not_taken():
+    """A failover's new owner: an out-of-band answer never joined the conversation, and
+    a response.create's options no commit took yet are the next response's."""
+    import json
+
+    def options(seq: int, **chosen: str) -> InputEvent:
+        edit = ConversationPayload("next_response", "", text=json.dumps(chosen))
+        return _in(seq, edit, InputMode.EDIT_CONVERSATION)
+
+    inputs = [_text(1, "hi"), _commit(2), options(3, conversation="none"), _commit(4),
+              _text(5, "more"), options(6, instructions="Be brief.")]  # fmt: skip
+    history = ChatHistory(32)
+    pending = rebuild(history, inputs, [_delta(1, 2, "hello", (5,)), _delta(2, 4, "aside", (6,))])
+    assert [(m.role, m.parts) for m in history.messages] == [
+        ("user", ["hi"]), ("assistant", ["hello"])]  # fmt: skip
+    assert pending == {"instructions": "Be brief."}
+
+
 def test_fit_drops_oldest_exchanges_then_refuses():
     history = ChatHistory(max_messages=32)
     for turn in range(3):

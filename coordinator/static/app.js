@@ -600,17 +600,26 @@ class Demo {
     const result = tool ? tool(args) : `no function named ${event.name}`;
     this.state.calls.push({ call_id: event.call_id, name: event.name, arguments: event.arguments, result });
     this.addCallLine(`${event.name}(${event.arguments || ""}) → ${result}`);
-    this.send({
-      type: "conversation.item.create",
-      item: { type: "function_call_output", call_id: event.call_id, output: result },
-    });
-    this.send({ type: "response.create" });
+    // Given back once the response that made the call is done: a response.create while
+    // a response is in progress is refused (conversation_already_has_active_response).
+    this.results = [...(this.results || []), { call_id: event.call_id, output: result }];
   }
 
   onResponseDone(event) {
     const record = this.response(event.response.id, own(event).fence.epoch);
     record.status = event.response.status;
     if (record.status === "cancelled") this.serverCancelled(own(event).fence.epoch);
+    const results = this.results || [];
+    this.results = [];
+    if (results.length && record.status === "completed") {
+      for (const result of results) {
+        this.send({
+          type: "conversation.item.create",
+          item: { type: "function_call_output", ...result },
+        });
+      }
+      this.send({ type: "response.create" });
+    }
   }
 
   onCancelled(event) {

@@ -14,7 +14,9 @@ one utterance and transcribes it when the utterance ends:
   without the vad stage's raw audio;
 - with ``skip_silent_turns``, a turn in which nothing was heard (Whisper
   found no words in a cough) ends without a ``done``: the thinker is not asked
-  to answer silence.
+  to answer silence. A turn end that a ``response.create`` asked for
+  (``CommitPayload.respond``, ``meta["respond"]`` from the vad stage) is passed
+  on whatever was heard: the client wants an answer from the conversation.
 
 Read from the session log directly, audio chunks are buffered,
 ``turn_commit_only`` ends the utterance (push-to-talk without a VAD) and
@@ -336,7 +338,12 @@ class AsrBackend:
         if text:
             session.heard = True
             drafts.append(
-                OutputDraft(OutputKind.TRANSCRIPT, text=text, meta=dict(pending.meta), flush=True)
+                OutputDraft(
+                    OutputKind.TRANSCRIPT,
+                    text=text,
+                    flush=True,
+                    meta={k: v for k, v in pending.meta.items() if k != "respond"},
+                )
             )
         if pending.then_done:
             drafts += self._turn_end(session, pending.meta)
@@ -347,7 +354,7 @@ class AsrBackend:
     ) -> list[OutputDraft]:
         """The turn's ``done``, naming the utterance (or the commit) that ended it."""
         heard, session.heard = session.heard, False
-        if heard or not self.options.skip_silent_turns:
+        if heard or utterance.get("respond") or not self.options.skip_silent_turns:
             meta = {k: v for k, v in utterance.items() if k in _UTTERANCE}
             return [OutputDraft(OutputKind.DONE, meta={"turn_end": True, **meta})]
         return []
@@ -378,17 +385,24 @@ class AsrBackend:
 
 _TYPED: dict[str, str | int | float | bool] = {"typed": True}
 """Meta of a transcript that was typed, not heard: no transcription to report."""
-_UTTERANCE = ("segment", "commit_seq")
+_UTTERANCE = ("segment", "commit_seq", "respond")
 """Meta naming the user's utterance: the voice activity stage's number for it, and the
 input seq of the client commit that ended it (``coordinator.realtime`` names the
-user's audio item from them)."""
+user's audio item from them); and whether a ``response.create`` asked for its answer."""
 
 
 def _utterance(event: StageEvent) -> dict[str, int]:
     """The utterance-naming meta of an event (a commit read from the log names itself)."""
     if isinstance(event, InputEvent):
-        return {"commit_seq": event.seq} if isinstance(event.payload, CommitPayload) else {}
-    return {k: v for k in _UTTERANCE if type(v := event.meta.get(k)) is int}
+        payload = event.payload
+        if not isinstance(payload, CommitPayload):
+            return {}
+        return {"commit_seq": event.seq, "respond": True} if payload.respond else {
+            "commit_seq": event.seq}  # fmt: skip
+    named = {k: v for k in _UTTERANCE if type(v := event.meta.get(k)) is int}
+    if event.meta.get("respond") is True:
+        named["respond"] = True
+    return named
 
 
 def _classify(event: StageEvent) -> tuple[tuple[int, Samples] | None, bool, bool]:

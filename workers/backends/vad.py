@@ -491,6 +491,9 @@ class VadBackend:
                 ended: dict[str, str | int | float | bool] = {"reason": "commit", "turn_end": True}
                 ended["commit_seq"] = event.seq
                 drafts.append(OutputDraft(OutputKind.DONE, meta=ended))
+            if payload.respond:  # a response.create: the turn's end asks for an answer
+                done = drafts[-1]
+                drafts[-1] = OutputDraft(done.kind, meta={**done.meta, "respond": True})
             return drafts, False
         if isinstance(payload, ClearPayload):
             return self._clear(session), False

@@ -74,6 +74,7 @@ from workers.backends.vllm_history import (
     Produced,
     PromptTooLong,
     Response,
+    asks_response,
     classify,
     edit_of,
     item_of,
@@ -81,6 +82,7 @@ from workers.backends.vllm_history import (
     released_by,
 )
 from workers.backends.vllm_options import VllmOptions, parse_options
+from workers.backends.vllm_response import ResponseSpec, context_chat, spec_of
 from workers.backends.vllm_tools import (
     CALL_TAG,
     Call,
@@ -110,7 +112,7 @@ class SessionChat:
     def settle(self, request_id: str) -> Response | None:
         """End a live response once: its produced text and calls join the history."""
         response = self.live.pop(request_id, None)
-        if response is not None:
+        if response is not None and response.kept:
             self.history.add_assistant(response.produced, response.item, response.calls)
         return response
 
@@ -169,7 +171,9 @@ class VllmBackend:
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
     ) -> None:
         history = ChatHistory(self.options.history_max_messages)
-        rebuild(history, inputs, [o for o in outputs if o.stage == ctx.stage])
+        pending = rebuild(history, inputs, [o for o in outputs if o.stage == ctx.stage])
+        if pending is not None:
+            ctx.next_response = pending  # a response.create's options not yet taken
         ctx.state[STATE_KEY] = SessionChat(history)
         # Started by ``load`` already in a worker; not awaited here (an engine given
         # no ``load`` may take long to start, and the lease is only renewed once
@@ -206,7 +210,8 @@ class VllmBackend:
         elif contribution is Contribution.COMMIT:
             carried = chat.history.close_user(event.seq)
             produced = carried[0] if carried else Produced()
-            async for draft in self._respond(ctx, chat, event.seq, produced):
+            asked = asks_response(event)
+            async for draft in self._respond(ctx, chat, event.seq, produced, asked=asked):
                 yield draft
         elif contribution is Contribution.EDIT:
             chat.edit(edit_of(event))
@@ -245,23 +250,28 @@ class VllmBackend:
     # -- responses -----------------------------------------------------------------------
 
     async def _respond(
-        self, ctx: StageContext, chat: SessionChat, seq: int, carried: Produced
-    ) -> AsyncIterator[OutputDraft]:
-        if not chat.history.awaits_answer():
-            yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "nothing_to_answer"})
-            return
+        self, ctx: StageContext, chat: SessionChat, seq: int, carried: Produced, *,
+        asked: bool = False,
+    ) -> AsyncIterator[OutputDraft]:  # fmt: skip
+        """Answer a commit: the user's turn, a function's result, or (``asked``: a
+        ``response.create``) whatever the conversation holds."""
+        wanted = spec_of(ctx.next_response)
         max_tokens = response_max_tokens(self.options, ctx.session) - len(carried.token_ids)
-        if max_tokens <= 0:  # the previous owner had produced all of it
-            chat.history.add_assistant(carried, response_item(ctx.fence))
-            yield OutputDraft(OutputKind.DONE, meta={"finish_reason": "length"})
+        ended = _ended_early(chat, asked=asked, max_tokens=max_tokens)
+        if ended is not None:
+            if ended == "length" and not wanted.out_of_band:  # the previous owner's, whole
+                chat.history.add_assistant(carried, response_item(ctx.fence))
+            yield OutputDraft(OutputKind.DONE, meta={"finish_reason": ended})
             return
         plan = plan_for(ctx.session, ctx.next_response)
         ctx.next_response = None  # it was for this response only
-        prompt_ids = await self._prompt(chat, carried, ctx.session.instructions, plan)
+        instructions = wanted.instructions or ctx.session.instructions
+        prompt_ids = await self._prompt(chat, carried, instructions, plan, wanted)
         role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
         request_id = make_request_id(ctx.fence, role)
         item = response_item(ctx.fence)
         response = chat.live[request_id] = Response(request_id, seq, item, carried)
+        response.kept = not wanted.out_of_band
         record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
         spec = sampling_spec(self.options, ctx.session, max_tokens, plan.schema())
         gate = CallGate() if plan.active else None
@@ -337,24 +347,48 @@ class VllmBackend:
         ]  # fmt: skip
 
     async def _prompt(
-        self, chat: SessionChat, carried: Produced, instructions: str, plan: ToolPlan
-    ) -> list[int]:
-        """Token ids of the next prompt: the fitted history, then any carried deltas. The
-        session's instructions (``session.update``) replace the stage's system prompt."""
+        self, chat: SessionChat, carried: Produced, instructions: str, plan: ToolPlan,
+        spec: ResponseSpec,
+    ) -> list[int]:  # fmt: skip
+        """Token ids of the next prompt: the fitted history (or the response's own input),
+        then any carried deltas. The response's or the session's instructions replace the
+        stage's system prompt."""
         await self.engine.ready()
         budget = self.options.prompt_budget - len(carried.token_ids)
-        system = instructions or self.options.system_prompt
+        system = instructions or self.options.system_prompt or ""
+        if spec.context is not None:
+            messages = context_chat(spec, chat.history, self.engine.decode, system)
+            if self.engine.count(messages) > budget:
+                raise BackendError(f"the response's input does not fit {budget} prompt tokens")
+        else:
+            messages = self._fitted(chat, budget, system)
+        text = self.engine.render(messages, plan.tools if plan.active else ())
+        chat.last_prompt = text + carried.text
+        return self.engine.encode(text) + list(carried.token_ids)
+
+    def _fitted(self, chat: SessionChat, budget: int, system: str) -> list[dict[str, Any]]:
+        """The newest history that fits ``budget``; a user message too long alone is
+        dropped and answered with an error."""
         try:
             messages, _ = chat.history.fit(self.engine.decode, self.engine.count, budget, system)
         except PromptTooLong as exc:
             chat.history.drop_last_user()
             log.warning("%s: %s; the message is dropped", self.options.model, exc)
             raise BackendError(str(exc)) from exc
-        text = self.engine.render(messages, plan.tools if plan.active else ())
-        chat.last_prompt = text + carried.text
-        return self.engine.encode(text) + list(carried.token_ids)
+        return messages
 
     # -- bookkeeping -----------------------------------------------------------------------
+
+
+def _ended_early(chat: SessionChat, *, asked: bool, max_tokens: int) -> str | None:
+    """Why a commit gets no generation (its ``done``'s finish reason), or None: nothing
+    to answer (a turn that added nothing, unless a ``response.create`` asked), or the
+    answer a previous owner carried is already whole (``length``)."""
+    if not (asked or chat.history.awaits_answer()):
+        return "nothing_to_answer"
+    if max_tokens <= 0:
+        return "length"
+    return None
 
 
 def _streamable(plan: ToolPlan, gate: CallGate | None, step: EngineStep) -> list[EngineStep]:

@@ -41,6 +41,7 @@ carries out what it returns. Theory of operation:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -94,6 +95,19 @@ def classify(event: StageEvent) -> tuple[Contribution, Part]:
     if isinstance(payload, CommitPayload):
         return Contribution.COMMIT, ""
     return Contribution.NOTHING, ""
+
+
+def asks_response(event: StageEvent) -> bool:
+    """Whether a commit was a ``response.create``'s (``CommitPayload.respond``, passed
+    on as ``meta["respond"]``): it is answered from the conversation whatever it added."""
+    if isinstance(event, InputEvent):
+        return isinstance(event.payload, CommitPayload) and event.payload.respond
+    return event.meta.get("respond") is True
+
+
+def out_of_band(options: dict[str, Any] | None) -> bool:
+    """Whether a ``next_response`` edit's options ask for an out-of-band response."""
+    return options is not None and options.get("conversation") == "none"
 
 
 def edit_of(event: StageEvent) -> ConversationPayload:
@@ -179,6 +193,8 @@ class Response:
     token_ids: list[int] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     """The function calls it made (``tool_calls`` entries), once it ended."""
+    kept: bool = True
+    """Its answer joins the history (False: an out-of-band response)."""
 
     def add(self, text: str, token_ids: Sequence[int]) -> None:
         self.text.append(text)
@@ -312,7 +328,9 @@ class ChatHistory:
         Returns the chat and its token count; drops the oldest exchanges first.
         Raises PromptTooLong when not even the newest user message fits.
         """
-        starts = [i for i, m in enumerate(self.messages) if m.role == "user"]
+        # A conversation with no user message yet (a response.create on a new session, or
+        # on system and assistant messages alone) is taken whole.
+        starts = [i for i, m in enumerate(self.messages) if m.role == "user"] or [0]
         for start in starts:
             chat = self.chat(decode, system, start)
             tokens = count(chat)
@@ -323,8 +341,10 @@ class ChatHistory:
 
 def rebuild(
     history: ChatHistory, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
-) -> None:
-    """Replay recorded inputs and this stage's accepted outputs into ``history``."""
+) -> dict[str, Any] | None:
+    """Replay recorded inputs and this stage's accepted outputs into ``history``; the
+    options of a ``next_response`` edit no commit took yet are returned (the new owner's
+    next response takes them), and an out-of-band response's answer is left out."""
     answers: dict[int, tuple[Produced, str]] = {}
     calls: dict[int, list[dict[str, Any]]] = {}
     for output in outputs:
@@ -335,6 +355,7 @@ def rebuild(
             so_far = answers.get(output.source_seq, (Produced(), ""))[0]
             answers[output.source_seq] = (so_far + delta, response_item(output.fence))
     last_seq = 0
+    options: dict[str, Any] | None = None
     for event in inputs:
         last_seq = max(last_seq, event.seq)
         contribution, part = classify(event)
@@ -342,8 +363,14 @@ def rebuild(
             history.add_user(part, item_of(event))
         elif contribution is Contribution.COMMIT:
             history.close_user(event.seq)
-            history.add_assistant(*answers.get(event.seq, (Produced(), "")),
-                                  calls.get(event.seq, ()))  # fmt: skip
+            if not out_of_band(options):
+                history.add_assistant(*answers.get(event.seq, (Produced(), "")),
+                                      calls.get(event.seq, ()))  # fmt: skip
+            options = None
         elif contribution is Contribution.EDIT:
-            history.edit(edit_of(event))
+            edit = edit_of(event)
+            if edit.op == "next_response":
+                options = json.loads(edit.text or "{}")
+            history.edit(edit)
     history.carried = {seq: done for seq, done in answers.items() if seq > last_seq}
+    return options
