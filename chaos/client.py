@@ -204,6 +204,12 @@ class ChaosClient:
                 lost = self.cancel_epoch <= self._cancel_from and not self._cancel_refused
                 if cancel_sent and lost:
                     await self._cancel()  # it may have been lost with the socket
+                if self._call is not None and not self._call_ended and not cancel_sent:
+                    # The call's response ends with the answer that its response.create
+                    # asked for; that request may have been refused on the lost socket
+                    # (an error is not journaled, so the resume cannot bring it): asked
+                    # again. Taken twice, the second gets an empty answer.
+                    await self._send({"type": "response.create"})
             if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
             if self._call is not None and self._call_ended and not cancel_sent:

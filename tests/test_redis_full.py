@@ -240,9 +240,12 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
             procs[0].signal(signal.SIGSTOP)
             for event in text_turn("two"):
                 await client.send(event)
-            await client.until("conversation.item.created")
+            await client.until("conversation.item.done")  # created, added, done
+            # Audio taken before Redis fills: the commit refused below has input to commit
+            # (with none, it would be refused as empty before any write).
+            await client.send({"type": "input_audio_buffer.append", "audio": SILENCE})
             async with asyncio.timeout(10):
-                while await direct.xlen(sk.input) < 4:  # its text and its commit
+                while await direct.xlen(sk.input) < 5:  # the text, its commit, the audio
                     await asyncio.sleep(0.01)
             await refuse_writes(direct)
             procs[0].signal(signal.SIGCONT)
@@ -285,7 +288,10 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
 
         seen = client.seen
         assert _deltas(seen) == "onetwothree"
-        done = [e["response"]["status"] for e in seen if e["type"] == "response.done"]
+        # Each turn's answer completed (echo also answers the audio chunk, on its own).
+        texts = {e["response_id"] for e in seen if e["type"] == "response.output_text.delta"}
+        done = [e["response"]["status"] for e in seen
+                if e["type"] == "response.done" and e["response"]["id"] in texts]  # fmt: skip
         assert done == ["completed"] * 3
         fences = [e["duplexq"]["fence"] for e in seen if "fence" in e.get("duplexq", {})]
         assert fences and all(f["incarnation"] == 0 for f in fences)
@@ -293,7 +299,8 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
         assert journaled == sorted(set(journaled))  # nothing delivered twice
         assert await direct.get(sk.lease("echo")) == lease  # no failover, no new owner
         assert await direct.hget(sk.meta, "inc") == b"0"
-        assert await direct.xlen(sk.input) == 6  # three turns; nothing refused was kept
+        # Three turns and the audio taken before Redis filled; nothing refused was kept.
+        assert await direct.xlen(sk.input) == 7
         # The answer to "two" was refused while Redis was full and published after; the
         # worker started meanwhile waited for room and serves now.
         assert "Redis is full: a publish was refused" in procs[0].log()
