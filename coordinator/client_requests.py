@@ -15,7 +15,6 @@ connection (the shell around ``coordinator.response_requests`` and
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -68,23 +67,14 @@ async def create(conn: Connection, event: ResponseCreate) -> None:
 
 
 async def _new_response(conn: Connection, params: ResponseParams) -> None:
-    sid = conn.session_id
     edit = options_edit(params)
     if edit is not None:
         await conn.coordinator.append(
-            sid, InputMode.EDIT_CONVERSATION, edit, attachment=conn.attachment
+            conn.session_id, InputMode.EDIT_CONVERSATION, edit, attachment=conn.attachment
         )
-    conn.turn_clock.committed(time.monotonic())
-    try:
-        fence = await conn.coordinator.authority.reserve_response(sid, attachment=conn.attachment)
-        notice = requested_notice(params, response_id(fence))
-        if notice is not None:  # before the commit: in the journal before any output
-            await conn._journal(notice)
-        await conn._append(InputMode.TURN_COMMIT_ONLY, CommitPayload(respond=True))
-    except BaseException:
-        conn.turn_clock.forget()
-        raise
-    conn.uncommitted = False
+    fence, _ = await conn.commit_turn(
+        CommitPayload(respond=True), lambda fence: requested_notice(params, response_id(fence))
+    )
     conn.requests.asked(fence.response_seq)
 
 

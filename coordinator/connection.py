@@ -26,6 +26,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from coordinator import client_requests, conversation, socket_io
@@ -476,6 +477,19 @@ class Connection:
 
     async def _commit(self) -> Fence:
         """The client's commit ends the user's turn; the fence of the response it reserved."""
+        fence, receipt = await self.commit_turn(CommitPayload())
+        await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
+        for event in spoken_item(f"item_{receipt}"):
+            await self._journal(event)
+        return fence
+
+    async def commit_turn(
+        self, payload: CommitPayload, notice: Callable[[Fence], dict[str, Any] | None] | None = None
+    ) -> tuple[Fence, int]:
+        """Reserve the next response and append the commit that asks for it (a client's,
+        or a ``response.create``'s); ``notice``, given the reserved fence, is journaled
+        between the two, so that it precedes the response's first output. The fence and
+        the commit's seq."""
         # The turn ends as its commit arrives: the clock starts before the answer (which
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
@@ -483,15 +497,15 @@ class Connection:
             fence = await self.coordinator.authority.reserve_response(
                 self.session_id, attachment=self.attachment
             )
-            receipt = await self._append(InputMode.TURN_COMMIT_ONLY, CommitPayload())
+            told = notice(fence) if notice is not None else None
+            if told is not None:
+                await self._journal(told)
+            receipt = await self._append(InputMode.TURN_COMMIT_ONLY, payload)
         except BaseException:
             self.turn_clock.forget()
             raise
         self.uncommitted = False
-        await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
-        for event in spoken_item(f"item_{receipt}"):
-            await self._journal(event)
-        return fence
+        return fence, receipt
 
     async def _notice(self, event_type: str, **fields: Any) -> None:
         await self._journal({"type": event_type, **fields})
