@@ -18,7 +18,7 @@ from typing import Any
 from schemas.errors import ErrorCode
 from schemas.events import SettingsPayload
 from schemas.realtime import SessionConfig
-from schemas.session_fields import EAGERNESS_SILENCE_MS, FORMATS, judged
+from schemas.session_fields import EAGERNESS_SILENCE_MS, FORMATS, OUTPUT_RATE, judged
 from schemas.tools import choice_text, tools_text
 
 MODEL = "duplexq"
@@ -48,7 +48,7 @@ def session_object(session_id: str, config: SessionConfig) -> dict[str, Any]:
         config.turn_detection.model_dump(exclude_none=True) if config.turn_detection else None
     )
     output: dict[str, Any] = {
-        "format": {"type": "audio/pcm", "rate": 24_000},
+        "format": {"type": "audio/pcm", "rate": OUTPUT_RATE},
         "speed": config.speed,
     }
     if config.voice:
