@@ -378,15 +378,19 @@ async def test_racing_audits_cause_one_takeover(settings, coordinator, ctx):
     await _lose_lease(bus, "s1")
     other = await open_context(settings, ECHO)
     try:
+        # Both audits must read the session as unleased: with b and c already taking
+        # assignments, the first offer can be taken before the second audit reads the
+        # lease, and then only one audit offers (right, but not the race under test).
+        # So the audits see b and c registered as live, as their heartbeats would
+        # write, and the workers start with both offers waiting for them.
+        live = dict.fromkeys(("b", "c"), int(time.time() * 1000))
+        await bus.client.zadd(bus.keys.workers("echo"), live)
+        results = await asyncio.gather(audit_leases(ctx), audit_leases(other))
+        assert [r.get("requeued") for r in results] == [1, 1]  # two detectors, two offers
         async with (
             running_worker(settings, ECHO, "echo", worker_id="b") as b,
             running_worker(settings, ECHO, "echo", worker_id="c") as c,
         ):
-            async with asyncio.timeout(10):
-                while await bus.client.zcard(bus.keys.workers("echo")) < 2:
-                    await asyncio.sleep(0.02)
-            results = await asyncio.gather(audit_leases(ctx), audit_leases(other))
-            assert [r.get("requeued") for r in results] == [1, 1]  # two detectors, two offers
             await _append(coordinator, "s1", ["m1", "m2"])
             got = outputs_of(await collect(coordinator, 2))
             assert [o.text for o in got] == ["m1", "m2"]
