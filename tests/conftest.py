@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
+from tests.shipped_stack import ShippedStack, StackFailed, serve_shipped_stack
 
 _prefixes = itertools.count()
 
@@ -61,3 +62,14 @@ def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("compose") / "empty.env"
     path.write_text("")
     return path
+
+
+@pytest.fixture(scope="session")
+def shipped_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShippedStack]:
+    """The default pipeline served by ``duplexq up`` as shipped (tests/shipped_stack.py),
+    shared by every test of what a user meets; it loads once and stops at the end."""
+    try:
+        with serve_shipped_stack(tmp_path_factory.mktemp("shipped-stack")) as stack:
+            yield stack
+    except StackFailed as exc:
+        pytest.fail(str(exc))

@@ -16,12 +16,8 @@ tool on its own; the call's result and the answer to it are the model's own.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,52 +25,22 @@ import numpy as np
 import pytest
 
 from tests.processes import ROOT
-from tests.redis_server import free_port
+from tests.shipped_stack import API_KEY, START_S, ShippedStack
 from tests.speech import speak
 
 FRAMEWORKS_PYTHON = ROOT / ".venv-frameworks" / "bin" / "python"
 DRIVERS = ROOT / "tests" / "frameworks"
-API_KEY = "sk-frameworks-test"
-START_S = 600
-"""How long the default stack may take to load every stage (vLLM on 2 CPU cores)."""
 
 # The first test waits for the stack to load; each drives a framework through real turns.
 pytestmark = pytest.mark.timeout(START_S + 420)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+@pytest.fixture
+def server(shipped_stack: ShippedStack) -> int:
     """The default pipeline served by ``duplexq up``, one worker per stage."""
     if not FRAMEWORKS_PYTHON.is_file():
         pytest.fail(f"{FRAMEWORKS_PYTHON} is missing: run scripts/setup")
-    workdir = tmp_path_factory.mktemp("frameworks-up")
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "DUPLEXQ_API_KEYS": API_KEY,
-        "DUPLEXQ_MODELS_DIR": str(ROOT / "var" / "models"),  # what scripts/setup prepared
-    }
-    log = (workdir / "up.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "up", "--port", str(port), "--workers", "1",
-         "--no-demo", "--workdir", str(workdir)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + START_S
-        while "\nserving; " not in (workdir / "up.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("duplexq up did not start:\n" + (workdir / "up.log").read_text())
-            time.sleep(0.5)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    return shipped_stack.port
 
 
 @pytest.fixture(scope="module")
