@@ -82,7 +82,8 @@ async def test_the_shipped_thinker_answers_in_real_words(redis_server, key_prefi
 
     monkeypatch.setenv("DUPLEXQ_MODELS_DIR", str(MODELS))
     pipeline, options = shipped_thinker()
-    # The shipped options, greedy so the answer is the same on every run.
+    # The shipped options, greedy so the answer is the same on every run (this test
+    # checks the path; tests/test_shipped_answers.py judges the shipped sampling).
     backend = VllmBackend({**options, "temperature": 0.0, "seed": 0}, stage="thinker")
     chat = PipelineConfig(
         name="chat",

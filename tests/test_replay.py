@@ -425,7 +425,7 @@ def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
     from tests.processes import ROOT
 
     shipped = load_pipeline(ROOT / "configs" / "default.toml")
-    assert sampled_stages(shipped) == ["thinker (temperature 0.7, no seed)"]
+    assert sampled_stages(shipped) == ["thinker (temperature 0.2, no seed)"]
     hint = sampling_hint(shipped)
     assert hint is not None and "temperature = 0" in hint and "fixed seed" in hint
     assert "replay with --greedy to check that the pipeline reproduces itself" in hint

@@ -24,7 +24,9 @@ from coordinator.replay import (
     replay_session,
 )
 from coordinator.service import Coordinator
+from dataplane.request_ids import make_request_id
 from schemas.events import OutputKind, SettingsPayload, TextPayload
+from schemas.fence import Fence
 from tests.pipeline_helpers import fast_settings, read_until, running_worker
 from tests.test_vllm_stage import (
     ENGINE_OPTIONS,
@@ -37,7 +39,7 @@ from tests.test_vllm_stage import (
 )
 from tests.tiny_model import build_tiny_model
 from workers.backends.minicpmo_stage import Duplex
-from workers.backends.vllm_engine import SamplingSpec, sampling_spec
+from workers.backends.vllm_engine import SamplingSpec, request_seed, sampling_spec
 from workers.backends.vllm_options import parse_options
 
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
@@ -49,10 +51,20 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": None}
 
 def test_a_greedy_session_samples_at_temperature_zero_whatever_the_options():
     options = parse_options(STAGE, {"model": "/m", **SAMPLED, "seed": 3})
-    assert sampling_spec(options, SettingsPayload(), 8) == SamplingSpec(8, 1.0, 0.9, 3)
+    assert sampling_spec(options, SettingsPayload(), "r1", 8) == SamplingSpec(8, 1.0, 0.9, 3)
     schema = {"type": "object"}
-    greedy = sampling_spec(options, SettingsPayload(greedy=True), 8, schema)
+    greedy = sampling_spec(options, SettingsPayload(greedy=True), "r1", 8, schema)
     assert greedy == SamplingSpec(8, 0.0, 1.0, 3, schema)
+
+
+def test_without_a_stage_seed_each_request_draws_its_own_from_its_id():
+    options = parse_options(STAGE, {"model": "/m", **SAMPLED})
+    ids = [make_request_id(Fence(s, 0, 0, 1, 1), f"thinker-t0-r{n}") for s in "ab" for n in (1, 2)]
+    seeds = {sampling_spec(options, SettingsPayload(), i, 8).seed for i in ids}
+    assert len(seeds) == 4 and None not in seeds  # no two sessions or requests share one
+    assert request_seed(ids[0]) == request_seed(ids[0]) < 2**31
+    fixed = parse_options(STAGE, {"model": "/m", **SAMPLED, "seed": 3})
+    assert {sampling_spec(fixed, SettingsPayload(), i, 8).seed for i in ids} == {3}
 
 
 def test_a_duplex_stage_takes_its_greedy_parameters_for_a_greedy_session():
@@ -101,11 +113,13 @@ async def test_a_sampled_session_replayed_greedily_twice_gives_identical_outputs
     engine, settings, monkeypatch
 ):
     temperatures: list[float] = []
+    seeds: list[int | None] = []
     sampling = engine._sampling
 
     def spy(spec):
         params = sampling(spec)  # what the engine gets: vLLM's own SamplingParams
         temperatures.append(params.temperature)
+        seeds.append(params.seed)
         return params
 
     monkeypatch.setattr(engine, "_sampling", spy)
@@ -125,6 +139,9 @@ async def test_a_sampled_session_replayed_greedily_twice_gives_identical_outputs
             # A plain replay samples again: it differs, and says what to do.
             plain = await replay_session(bus, pipeline, "src", "plain", quiet_s=2.0)
             assert temperatures == [1.0] * 4
+            # Each session's responses draw their own seeds: the replay's are not the
+            # recording's (a seedless engine would hand both the same sample).
+            assert None not in seeds and len(set(seeds)) == 4
             assert not plain.identical, plain.summary()
             hint = replay_hint(plain, pipeline)
             assert hint is not None and "replay with --greedy" in hint

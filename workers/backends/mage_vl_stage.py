@@ -466,7 +466,7 @@ class MageVLStage:
         )
         if purpose != "gate":
             session.speaking = Speaking(request_id, "query" if purpose == "answer" else "gate")
-        spec = sampling_spec(self.engine_options, session.ctx.session, max_tokens)
+        spec = sampling_spec(self.engine_options, session.ctx.session, request_id, max_tokens)
         session.live.add(request_id)
         finish: str | None = None
         try:

@@ -39,8 +39,10 @@ go first, whole, so the prompt starts with a user message. A user message
 too long to fit alone is answered with an error and dropped from the history.
 
 Sampling. Each response samples with the stage's ``temperature``, ``top_p`` and
-``seed``; a session whose settings say ``greedy`` (a greedy replay) gets temperature 0
-instead, so its answers depend on its history alone (``sampling_spec``). A response
+``seed``, or without a ``seed`` with one drawn from its request id
+(``request_seed``: no two requests share a sample); a session whose settings say
+``greedy`` (a greedy replay) gets temperature 0 instead, so its answers depend on its
+history alone (``sampling_spec``). A response
 generates at most ``max_tokens``, or the session's ``max_output_tokens`` where that is
 less (``response_max_tokens``).
 
@@ -273,7 +275,7 @@ class VllmBackend:
         response = chat.live[request_id] = Response(request_id, seq, item, carried)
         response.kept = not wanted.out_of_band
         record = self.records.add(RequestRecord(request_id, ctx.session_id, chat.last_prompt))
-        spec = sampling_spec(self.options, ctx.session, max_tokens, plan.schema())
+        spec = sampling_spec(self.options, ctx.session, request_id, max_tokens, plan.schema())
         gate = CallGate() if plan.active else None
         finish: str | None = None
         try:

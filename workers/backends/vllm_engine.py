@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import importlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -109,16 +110,27 @@ def response_max_tokens(options: VllmOptions, settings: SettingsPayload) -> int:
     return min(options.max_tokens, settings.max_output_tokens)
 
 
+def request_seed(request_id: str) -> int:
+    """The sampling seed of one engine request when the stage fixes none, drawn from the
+    request's id (which names its session and fence and counts the worker's requests):
+    no two requests share a sample. A seedless engine draws from one generator seeded
+    at start, so every fresh stack's first answer to a question was the same."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
 def sampling_spec(
-    options: VllmOptions, settings: SettingsPayload, max_tokens: int,
+    options: VllmOptions, settings: SettingsPayload, request_id: str, max_tokens: int,
     json_schema: dict[str, Any] | None = None,
 ) -> SamplingSpec:  # fmt: skip
-    """How one response samples: the stage's options, or greedily (temperature 0, the
-    whole distribution) when the session asks for it (``SettingsPayload.greedy``, a
-    greedy replay): then the same history gives the same answer."""
+    """How one request samples: the stage's options with the stage's ``seed``, or the
+    request's own (``request_seed``); or greedily (temperature 0, the whole
+    distribution) when the session asks for it (``SettingsPayload.greedy``, a greedy
+    replay): then the same history gives the same answer."""
+    seed = options.seed if options.seed is not None else request_seed(request_id)
     if settings.greedy:
-        return SamplingSpec(max_tokens, 0.0, 1.0, options.seed, json_schema)
-    return SamplingSpec(max_tokens, options.temperature, options.top_p, options.seed, json_schema)
+        return SamplingSpec(max_tokens, 0.0, 1.0, seed, json_schema)
+    return SamplingSpec(max_tokens, options.temperature, options.top_p, seed, json_schema)
 
 
 def _vllm(module: str) -> Any:

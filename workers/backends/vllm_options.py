@@ -34,7 +34,8 @@ class VllmOptions(BaseModel):
     enforce_eager: bool = False
     """Run the model eagerly: no graph capture or compilation (faster start, slower steps)."""
     seed: int | None = Field(None, ge=0)
-    """Engine seed, and the per-request sampling seed: responses are reproducible."""
+    """Engine seed, and every request's sampling seed: responses are reproducible. Unset,
+    each request draws its own from its id (``vllm_engine.request_seed``)."""
     max_tokens: int = Field(256, ge=1)
     """Most tokens one response generates."""
     temperature: float = Field(0.7, ge=0.0, le=10.0)
