@@ -11,7 +11,10 @@ the test watches ``window.duplexqDemo`` and clicks the page's own controls.
   transcribed and answered with speech; Interrupt silences the answer at once;
   then the user speaking over a long answer silences it (server VAD barge-in);
 - the stages' models: a turn sent while a stage's model loads is shown as waiting
-  for it, and a stage serving the random-weight fallback gets a visible notice.
+  for it, and a stage serving the random-weight fallback gets a visible notice;
+- the page itself: its status says "speaking" only while an answer's audio plays and
+  rests when playback ends or is interrupted, and the latency values stay inside
+  their pane at every width the layout has (screenshots under the test's tmp_path).
 
 Chromium missing is a failure, not a skip: scripts/setup installs it.
 """
@@ -30,10 +33,11 @@ import numpy as np
 import pytest
 
 from dataplane.readiness import StageModel
-from schemas.config import PipelineConfig, StageConfig, echo_pipeline
+from schemas.config import PipelineConfig, StageConfig, echo_pipeline, load_pipeline
 from schemas.events import AudioPayload, InputEvent, PlaybackPayload
 from tests.browser_helpers import DemoPage, demo_page, write_speech_wav, write_tone_wav
 from tests.pipeline_helpers import fast_settings, running_worker
+from tests.processes import ROOT
 from tests.realtime_helpers import serving
 from workers.backends.asr import AsrBackend
 from workers.backends.echo import EchoBackend
@@ -441,3 +445,132 @@ def assert_cut_for_good(stop: dict[str, Any], at_stop: dict[str, Any], end: dict
         assert now["playedAfterStop"] == 0 and now["receivedAfterCancel"] == 0
     acked = {ack["response_id"] for ack in end["acks"]}
     assert set(stop["responseIds"]) <= acked
+
+
+# -- the page: its status and its layout -------------------------------------------------
+
+TYPED = "Hello there, who are you?"
+WIDTHS = (1280, 1024, 900, 700, 600, 360)
+"""Viewport widths the layout is checked at: three panes, two with latency below, one
+column, and a phone's."""
+WATCH_STATUS = """() => {
+    // Samples, every 5 ms, of what the status says beside what playback does.
+    const seen = (window.statusSeen = { samples: 0, speaking: 0, speakingIdle: [] });
+    setInterval(() => {
+        const s = window.duplexqDemo, shown = document.getElementById("playback").textContent;
+        seen.samples++;
+        if (s.status !== "speaking") return;
+        seen.speaking++;
+        if (!s.playing || shown !== "playing") seen.speakingIdle.push({ shown, s: s.playing });
+    }, 5);
+}"""
+BOXES = """() => [...document.querySelectorAll("#latency dt, #latency dd")].map((el) => {
+    const pane = el.closest(".pane"), style = getComputedStyle(pane);
+    const outer = pane.getBoundingClientRect();
+    const left = outer.left + pane.clientLeft + parseFloat(style.paddingLeft);
+    const top = outer.top + pane.clientTop + parseFloat(style.paddingTop);
+    const inner = { left, top, right: outer.left + pane.clientLeft + pane.clientWidth -
+                    parseFloat(style.paddingRight), bottom: outer.top + pane.clientTop +
+                    pane.clientHeight - parseFloat(style.paddingBottom) };
+    const text = document.createRange();
+    text.selectNodeContents(el);
+    const box = (r) => ({ left: r.left, top: r.top, right: r.right, bottom: r.bottom });
+    return { tag: el.tagName, id: el.id, text: el.textContent, pane: inner,
+             box: box(el.getBoundingClientRect()), glyphs: box(text.getBoundingClientRect()),
+             lines: text.getClientRects().length };
+})"""
+
+
+def spoken_pipeline() -> PipelineConfig:
+    """The shipped echo thinker, spoken by the TTS stage: an answer's audio that ends."""
+    thinker = load_pipeline(ROOT / "configs" / "echo.toml").stage("thinker")
+    return PipelineConfig(
+        name="browser-spoken",
+        stages=(
+            thinker,
+            StageConfig(name="tts", backend="tts", input="thinker", to_client=True),
+        ),
+    )
+
+
+def _inside(inner: dict[str, float], box: dict[str, float]) -> bool:
+    slack = 0.5  # sub-pixel rounding
+    return all(box[side] >= inner[side] - slack for side in ("left", "top")) and all(
+        box[side] <= inner[side] + slack for side in ("right", "bottom")
+    )
+
+
+async def check_layout(demo: DemoPage, tmp_path: Path) -> list[Path]:
+    """At each width, every latency label and value lies inside its pane (a value on
+    one line); the screenshots taken, one per width."""
+    shots = []
+    for width in WIDTHS:
+        await demo.page.set_viewport_size({"width": width, "height": 900})
+        shot = tmp_path / f"demo-page-{width}.png"
+        await demo.page.screenshot(path=str(shot), full_page=True)
+        shots.append(shot)
+        boxes = await demo.evaluate(BOXES)
+        outside = [
+            (b["text"], b["box"], b["pane"])
+            for b in boxes
+            if not (_inside(b["pane"], b["box"]) and _inside(b["pane"], b["glyphs"]))
+        ]
+        wrapped = [b["text"] for b in boxes if b["tag"] == "DD" and b["lines"] != 1]
+        assert not outside and not wrapped, (
+            f"at {width} px, outside their pane (text, box, pane): {outside}; values on "
+            f"more than one line: {wrapped}; screenshot: {shot}"
+        )
+    return shots
+
+
+async def test_the_status_follows_playback_and_latency_values_stay_in_their_pane(
+    settings, wav, tmp_path
+):
+    pipeline = spoken_pipeline()
+    async with contextlib.AsyncExitStack() as stack:
+        base = await stack.enter_async_context(serving(settings, pipeline))
+        for stage in ("thinker", "tts"):
+            await stack.enter_async_context(running_worker(settings, pipeline, stage))
+        demo = await stack.enter_async_context(demo_page(http(base), wav))
+        await demo.page.set_viewport_size({"width": WIDTHS[0], "height": 900})
+        await demo.evaluate(WATCH_STATUS)
+        await demo.page.check("#mute")
+        await demo.page.click("#connect")
+        await demo.wait_for("s.connected && s.status === 'listening'")
+
+        # A typed turn: "speaking" while its answer plays, "listening" once it has played.
+        await demo.page.fill("#text", TYPED)
+        await demo.page.click("#send")
+        speaking = await demo.wait_for("s.status === 'speaking'", 30)
+        assert speaking["playing"] and speaking["speaking"]
+        played = await demo.wait_for(
+            "!s.playing && Object.values(s.responses).some((r) => r.played > 0)"
+            " && Object.values(s.responses).every((r) => r.status !== 'in_progress')",
+            30,
+        )
+        answers = (await _panes(demo))["assistant"]
+        turn_shot = tmp_path / "demo-page-after-a-turn.png"
+        await demo.page.screenshot(path=str(turn_shot), full_page=True)
+        assert played["status"] == "listening", (played["statusLog"], turn_shot)
+
+        # A long answer, interrupted while it plays: the status rests at once and stays
+        # there when the server's cancel arrives.
+        await demo.page.fill("#text", LONG_ANSWER)
+        await demo.page.click("#send")
+        await demo.wait_for("s.status === 'speaking' && s.stops.length === 0", 30)
+        at_stop = await click_interrupt(demo)
+        assert (at_stop["status"], at_stop["playing"]) == ("listening", False)
+        after = await demo.wait_for(
+            f"{SILENCE_MEASURED} && s.latencies.bargeInCancelledMs !== null"
+        )
+        assert after["status"] == "listening", after["statusLog"]
+        seen = await demo.evaluate("() => window.statusSeen")
+        shots = await check_layout(demo, tmp_path)
+    shown = f"screenshots: {turn_shot}, {', '.join(map(str, shots))}"
+    log = [(entry["status"], entry["playing"]) for entry in played["statusLog"]]
+    assert ("speaking", True) in log and ("speaking", False) not in log, (log, shown)
+    assert log[-1] == ("listening", False), (log, shown)
+    assert seen["speaking"] > 0 and seen["speakingIdle"] == [], (seen, shown)
+    assert [a["text"] for a in answers] == [TYPED] and not answers[0]["cut"], (answers, shown)
+    assert after["errors"] == [], shown
+    print(shown)

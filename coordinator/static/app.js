@@ -41,6 +41,14 @@
 // the model calls it the page runs it, shows the call and its result, and sends
 // the result back (function_call_output, then response.create).
 //
+// Status: what is happening now. "thinking…" (or "loading the models…") from a turn's
+// end until its answer arrives; "answering" while an answer streams and nothing plays;
+// "speaking" from when its audio begins to sound until what is queued has played;
+// "hearing you…" while the server hears the user speak. When playback ends the status
+// says "answering" if the answer still streams, else it rests ("listening" with the
+// microphone on), as it does when the answer ends or is interrupted (locally or by
+// the server).
+//
 // window.duplexqDemo exposes the page's state for tests and for the curious.
 
 import { Player } from "./player.js";
@@ -59,6 +67,8 @@ const SILENT_RMS = 1e-4; // output level below which playback counts as silent
 const KEY_STORAGE = "duplexq.apiKey"; // sessionStorage: this tab only, gone when it closes
 const SECRET_TTL_S = 60; // the client secret only has to last until the socket opens
 const STAGES_POLL_MS = 2000; // how often the page asks /v1/stages while models load
+const STATUS_LOG = 200; // status changes kept in the state, newest last
+const ANSWER_STATUSES = new Set(["speaking", "answering"]); // an answer under way
 
 // -- the page ------------------------------------------------------------------------
 
@@ -70,6 +80,7 @@ function newState() {
     sessionId: null,
     resumeToken: null,
     status: "disconnected",
+    statusLog: [], // {status, playing, speaking, at}: the last STATUS_LOG status changes
     events: [], // server event types, oldest first (the last MAX_EVENTS)
     eventCounts: {},
     sent: {}, // client event types sent, counted
@@ -79,6 +90,7 @@ function newState() {
     audioChunksPlayed: 0, // chunks whose playback began
     audioChunksDropped: 0, // chunks of interrupted responses, never played
     playing: false, // audio is sounding or scheduled
+    speaking: false, // an answer's audio began to sound and what is queued has not played out
     outputLevel: 0, // RMS of the audio being played, read every tick
     lastStopReason: null,
     stops: [], // {reason, responseIds, cutChunks, at}
@@ -137,6 +149,8 @@ class Demo {
     this.openedAt = 0;
     this.timer = null;
     this.connecting = false;
+    this.resting = "disconnected"; // the status when nothing is heard, thought or played
+    this.turnAt = 0; // when the latest turn ended
     this.models = readiness(null); // kept across connections (state is per connection)
     this.stagesTimer = null;
     this.bind();
@@ -164,8 +178,29 @@ class Demo {
   }
 
   setStatus(text) {
-    this.state.status = text;
+    if (text === this.state.status) return;
+    const state = this.state;
+    state.status = text;
+    const { playing, speaking } = state;
+    state.statusLog.push({ status: text, playing, speaking, at: performance.now() });
+    if (state.statusLog.length > STATUS_LOG) state.statusLog.shift();
     $("status").textContent = text;
+  }
+
+  /** The resting status, now that nothing is heard, thought or played. */
+  rest() {
+    this.setStatus(this.resting);
+  }
+
+  /** Rest if the status still says the connection is being set up. */
+  restIfConnecting() {
+    const status = this.state.status;
+    if (status === "connecting…" || status.startsWith("session ")) this.rest();
+  }
+
+  /** Rest if the status spoke of an answer that is no longer under way. */
+  settle() {
+    if (ANSWER_STATUSES.has(this.state.status)) this.rest();
   }
 
   // -- the stages' models --------------------------------------------------------------
@@ -230,6 +265,7 @@ class Demo {
     for (const id of ["user-transcript", "assistant-text"]) $(id).replaceChildren();
     Object.assign(this.state, this.models);
     this.watchStages();
+    this.resting = "connecting…";
     this.setStatus("connecting…");
     $("connect").textContent = "Disconnect";
 
@@ -264,7 +300,8 @@ class Demo {
       await this.startMic();
     } catch (err) {
       this.state.errors.push({ code: "microphone", message: String(err) });
-      if (this.ws) this.setStatus(`no microphone (${err.name || err}); text only`);
+      this.resting = `no microphone (${err.name || err}); text only`;
+      if (this.ws) this.rest();
     }
     if ($("camera").checked) this.startCamera();
   }
@@ -365,7 +402,8 @@ class Demo {
     this.mic.nodes.push(tap);
     source.connect(tap);
     tap.connect(sink);
-    this.setStatus("listening");
+    this.resting = "listening";
+    this.restIfConnecting();
   }
 
   stopMic() {
@@ -490,6 +528,14 @@ class Demo {
     this.bargeIn("interrupt", at);
     // Audio produced before the server applies the barge-in is stale.
     this.minEpoch = Math.max(this.minEpoch, this.epoch + 1);
+    this.settle();
+  }
+
+  /** Whether an answer is still streaming (begun, not ended, not cut). */
+  streaming() {
+    return Object.values(this.state.responses).some(
+      (r) => r.status === "in_progress" && !r.stopped && r.epoch >= this.minEpoch,
+    );
   }
 
   // -- server events ------------------------------------------------------------------
@@ -512,7 +558,10 @@ class Demo {
       resumeToken: own(event).resume_token,
     });
     for (const id of ["interrupt", "text", "send"]) $(id).disabled = false;
-    if (!this.mic) this.setStatus(`session ${event.session.id}`);
+    if (!this.mic && this.resting === "connecting…") {
+      this.resting = `session ${event.session.id}`; // until the microphone is on
+      this.restIfConnecting();
+    }
   }
 
   onError(event) {
@@ -549,7 +598,7 @@ class Demo {
   }
 
   onResponseCreated(event) {
-    this.response(event.response.id, own(event).fence.epoch);
+    this.response(event.response.id, own(event).fence.epoch).createdAt = performance.now();
     if (this.pendingBargeIn && this.pendingBargeIn.trigger !== "interrupt") {
       this.pendingBargeIn = null; // speech that did not interrupt (no cancel will come)
     }
@@ -576,13 +625,13 @@ class Demo {
     if (audio) {
       this.player.schedule(event.response_id, pcm16ToFloat(base64ToBytes(event.delta)));
       record.scheduled++;
-      this.setStatus("speaking");
-      return;
+    } else {
+      // One text per answer: its text deltas, or its audio transcript when it has none.
+      const kind = event.type === "response.output_text.delta" ? "text" : "transcript";
+      record.shown = record.shown || kind;
+      if (record.shown === kind) this.addAssistantText(event.response_id, event.delta);
     }
-    // One text per answer: its text deltas, or its audio transcript when it has none.
-    const kind = event.type === "response.output_text.delta" ? "text" : "transcript";
-    record.shown = record.shown || kind;
-    if (record.shown === kind) this.addAssistantText(event.response_id, event.delta);
+    // "speaking" comes when its audio sounds (tick).
     if (this.state.status.startsWith("loading") || this.state.status === "thinking…") {
       this.setStatus("answering");
     }
@@ -609,6 +658,12 @@ class Demo {
     const record = this.response(event.response.id, own(event).fence.epoch);
     record.status = event.response.status;
     if (record.status === "cancelled") this.serverCancelled(own(event).fence.epoch);
+    // Over: the status rests, unless audio still plays (tick rests it when playback
+    // ends) or another answer streams. A turn still "thinking…" rests only on the end
+    // of a response that began after the turn ended.
+    const idle = !(this.player && this.player.busy);
+    if (idle && this.state.status === "thinking…" && record.createdAt >= this.turnAt) this.rest();
+    else if (idle && !this.streaming()) this.settle();
     const results = this.results || [];
     this.results = [];
     if (results.length && record.status === "completed") {
@@ -624,7 +679,7 @@ class Demo {
 
   onCancelled(event) {
     this.serverCancelled(own(event).fence.epoch);
-    this.setStatus("interrupted");
+    this.settle();
   }
 
   /** The server cancelled everything before ``epoch`` (a barge-in it applied). */
@@ -662,6 +717,7 @@ class Demo {
         peakLevel: 0, // loudest output level measured while it played
         stopped: false,
         acked: false,
+        createdAt: performance.now(), // response.created (or its first event) arrived
       };
       this.state.responses[id] = record;
     }
@@ -669,6 +725,7 @@ class Demo {
   }
 
   beginTurn(trigger, at = performance.now()) {
+    this.turnAt = at;
     this.pendingTurn = { trigger, at, firstDeltaMs: null, firstAudioMs: null };
   }
 
@@ -739,7 +796,9 @@ class Demo {
     this.state.stops.push({ reason, responseIds: [...ids], cutChunks: unplayed, at: performance.now() });
     this.state.lastStopReason = reason;
     this.state.playing = false;
+    this.state.speaking = false;
     $("playback").textContent = `stopped (${reason})`;
+    this.settle();
     return true;
   }
 
@@ -768,6 +827,7 @@ class Demo {
     // New audio began before the meter saw the gap: that silence went unmeasured.
     if (began.length) this.awaitingSilence = null;
     for (const entry of began) this.chunkBegan(entry);
+    // The player's queue holds only chunks not yet finished: a started one is sounding.
     const sounding = this.player.queue.find((e) => e.started);
     if (sounding) {
       const record = this.response(sounding.responseId);
@@ -775,9 +835,21 @@ class Demo {
     }
     for (const entry of finished) this.response(entry.responseId).playedSec += entry.end - entry.start;
     const busy = this.player.busy;
-    if (this.state.playing && !busy) $("playback").textContent = "idle";
-    else if (busy) $("playback").textContent = "playing";
     this.state.playing = busy;
+    // Speaking from the moment audio sounds until the queue has played out (a gap
+    // between chunks still queued is part of it).
+    const was = this.state.speaking;
+    this.state.speaking = Boolean(sounding) || (was && busy);
+    if (this.state.speaking) {
+      $("playback").textContent = "playing";
+      this.setStatus("speaking");
+    } else if (was) {
+      $("playback").textContent = "idle";
+      if (this.state.status === "speaking") {
+        if (this.streaming()) this.setStatus("answering");
+        else this.rest();
+      }
+    }
     // A finished response whose audio has all played is acknowledged.
     const queued = new Set(this.player.queue.map((e) => e.responseId));
     for (const record of Object.values(this.state.responses)) {

@@ -17,9 +17,20 @@ typed input ``call:<text>`` is answered with a call of the first tool
 the client's result for it (a ``tool`` message) is then the answer of the next
 commit, echoed like a text. A downstream echo passes calls on as they are.
 
-Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0).
-Echo keeps no state between events but a function's result waiting for its
-commit: a takeover reads the newest inputs to find one.
+Answering when asked (option ``when_asked``): typed text (a user message, text
+appended) is held until the turn's commit (a client commit or a
+``response.create``) and answered then, before the commit's ``done``, as a model
+answers. The answer is then the response that was asked for: answered at once,
+a streamed echo of a typed message can begin before ``response.create`` reserves
+its response and go on under it, which splits one answer over two responses,
+the first ended ``incomplete`` (``tests/test_echo_stack.py``). A commit absorbed
+after an interruption drops what was held for it; text absorbed is held for the
+next commit, which asks about it.
+
+Options: ``chunks`` (1..64, default 1), ``step_ms`` (0..10000, default 0),
+``when_asked`` (bool, default false). Echo keeps no state between events but a
+function's result and, answering when asked, the text typed since the last
+commit: a takeover reads the newest inputs to find them.
 """
 
 from __future__ import annotations
@@ -53,8 +64,25 @@ def _int_option(options: Mapping[str, Any], name: str, default: int, high: int) 
     return value
 
 
+def _bool_option(options: Mapping[str, Any], name: str) -> bool:
+    value = options.get(name, False)
+    if type(value) is not bool:
+        raise ValueError(f"echo option {name} must be true or false, got {value!r}")
+    return value
+
+
+def _typed(event: StageEvent) -> bool:
+    """Text the client typed (a message, text appended), as the session stage reads it."""
+    return isinstance(event, InputEvent) and isinstance(event.payload, TextPayload)
+
+
+def _commit(event: StageEvent) -> bool:
+    return isinstance(event, InputEvent) and isinstance(event.payload, CommitPayload)
+
+
 REBUILD_INPUTS = 16
-"""Newest inputs a takeover reads for a function's result waiting for its commit."""
+"""Newest inputs a takeover reads for a function's result, or text typed, waiting for
+its commit."""
 _NAMING = ("item", "typed", "role", "segment", "commit_seq")
 """Meta keys that say what an output is (``schemas.items``), echoed with it."""
 
@@ -80,8 +108,8 @@ class EchoBackend:
     make those answers stale."""
     edits_conversation = False
     rebuild = RebuildWindow(inputs=REBUILD_INPUTS, outputs=0)
-    """Every event is answered on its own, but a function's result still waiting for
-    its commit is found among the newest inputs."""
+    """Every event is answered on its own, but a function's result (or, answering when
+    asked, typed text) still waiting for its commit is found among the newest inputs."""
     edits_conversation = True
     """A function's result (a ``tool`` message) is echoed at the next commit."""
 
@@ -89,6 +117,8 @@ class EchoBackend:
         options = options or {}
         self.chunks = max(1, _int_option(options, "chunks", 1, 64))
         self.step_s = _int_option(options, "step_ms", 0, 10_000) / 1000
+        self.when_asked = _bool_option(options, "when_asked")
+        """Typed text is answered at the turn's commit, not as it arrives."""
         self.released: list[Fence] = []
         self.steps_after_release = 0
         """Chunks produced for a fence after it was released (barge-in reaction, in steps)."""
@@ -96,14 +126,19 @@ class EchoBackend:
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
     ) -> None:
-        """A function's result applied after the last commit waits for the next one."""
+        """A function's result applied after the last commit waits for the next one; so
+        does, answering when asked, the text typed since."""
+        typed: list[StageEvent] = []
         for event in reversed(inputs):
-            if isinstance(event, InputEvent) and isinstance(event.payload, CommitPayload):
-                return
+            if _commit(event):
+                break
             edit = session_payload_of(event) if not isinstance(event, OutputEvent) else None
             if isinstance(edit, ConversationPayload) and edit.role == "tool":
-                ctx.state["result"] = edit.text
-                return
+                ctx.state.setdefault("result", edit.text)  # the newest one
+            elif self.when_asked and _typed(event):
+                typed.append(event)
+        if typed:
+            ctx.state["typed"] = typed[::-1]
 
     def _answer(self, ctx: StageContext, event: StageEvent) -> tuple[OutputKind, Any] | None:
         if isinstance(event, OutputEvent):
@@ -163,6 +198,16 @@ class EchoBackend:
 
     def _answer_drafts(self, ctx: StageContext, event: StageEvent) -> Iterator[OutputDraft]:
         """The answer's drafts in order (a streamed one is paced by ``handle``)."""
+        if self.when_asked and _typed(event):
+            ctx.state.setdefault("typed", []).append(event)  # answered by the commit
+            return
+        if self.when_asked and _commit(event):
+            for typed in ctx.state.pop("typed", []):
+                yield from self._reply(ctx, typed)
+        yield from self._reply(ctx, event)
+
+    def _reply(self, ctx: StageContext, event: StageEvent) -> Iterator[OutputDraft]:
+        """What answers ``event`` itself."""
         call = self._call(ctx, event)
         if call is not None:
             yield call
@@ -192,6 +237,11 @@ class EchoBackend:
             yield _draft(kind, piece, meta, flush=len(pieces) > 1)
 
     async def absorb(self, ctx: StageContext, event: StageEvent) -> None:
+        if self.when_asked and _typed(event):
+            ctx.state.setdefault("typed", []).append(event)  # the next commit asks about it
+            return
+        if self.when_asked and _commit(event):
+            ctx.state.pop("typed", None)  # its turn was interrupted: nothing answers it
         edit = session_payload_of(event) if isinstance(event, InputEvent) else None
         if isinstance(edit, ConversationPayload):
             if edit.role == "tool":  # a function's result: the next commit's answer
