@@ -65,15 +65,38 @@ class RedisCluster:
         self.wait_ok()
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Wait until every live node says the cluster is ok and covers every slot."""
+        """Wait until every live node says the cluster is ok and covers every slot, and
+        every live node tells the same roles of the live nodes (gossip has spread who
+        replicates whom: a node that learnt it late would list a replica as a primary
+        without slots, and a test reading the cluster through it would see another
+        cluster than the one it made)."""
         deadline = time.monotonic() + timeout
         while True:
-            states = [self._state(node) for node in self.nodes if node.alive]
-            if states and all(s == "ok" for s in states):
+            live = [node for node in self.nodes if node.alive]
+            states = [self._state(node) for node in live]
+            views = {self._roles(node, {n.port for n in live}) for node in live}
+            if states and all(s == "ok" for s in states) and len(views) == 1:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"cluster not ok: {states}")
+                raise TimeoutError(f"cluster not ok: {states}, {len(views)} views of its roles")
             time.sleep(0.1)
+
+    @staticmethod
+    def _roles(node: RedisServer, live: set[int]) -> frozenset[tuple[int, str, int]]:
+        """What ``node``'s ``CLUSTER NODES`` says of each live node: its port, its role
+        and its primary's port (0 for a primary); empty when the node does not answer."""
+        try:
+            with redis.Redis(port=node.port, socket_timeout=1) as client:
+                text = client.execute_command("CLUSTER", "NODES").decode()
+        except redis.RedisError:
+            return frozenset()
+        lines = [line.split() for line in text.splitlines() if line.strip()]
+        port_of = {f[0]: int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in lines}
+        roles = set()
+        for f in lines:
+            role = "primary" if "master" in f[2] else "replica"
+            roles.add((port_of[f[0]], role, port_of.get(f[3], 0)))
+        return frozenset(r for r in roles if r[0] in live)
 
     @staticmethod
     def _state(node: RedisServer) -> str:

@@ -38,7 +38,7 @@ from coordinator.control_core import (
 from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
 from dataplane.readiness import StageModel
-from schemas.config import PipelineConfig, StageConfig, echo_pipeline
+from schemas.config import PipelineConfig, Settings, StageConfig, echo_pipeline
 from schemas.events import ControlKind, TextPayload, decode_control, decode_input
 from schemas.keys import ASSIGN_GROUP, Keys
 from tests.pipeline_helpers import collect, fast_settings, outputs_of, running_worker
@@ -387,9 +387,15 @@ async def test_racing_audits_cause_one_takeover(settings, coordinator, ctx):
         await bus.client.zadd(bus.keys.workers("echo"), live)
         results = await asyncio.gather(audit_leases(ctx), audit_leases(other))
         assert [r.get("requeued") for r in results] == [1, 1]  # two detectors, two offers
+        # b and c hold leases as shipped (TTL 3 s, renewed every 750 ms): they share this
+        # test's event loop with the coordinator, and under a loaded machine the fast
+        # settings' 1 s TTL lapsed between two renewals, a second takeover that is not
+        # the race under test (nothing here waits for a lease to expire).
+        shipped = {k: Settings.model_fields[k].default for k in ("lease_ttl_ms", "heartbeat_ms")}
+        leases = settings.model_copy(update=shipped)
         async with (
-            running_worker(settings, ECHO, "echo", worker_id="b") as b,
-            running_worker(settings, ECHO, "echo", worker_id="c") as c,
+            running_worker(leases, ECHO, "echo", worker_id="b") as b,
+            running_worker(leases, ECHO, "echo", worker_id="c") as c,
         ):
             await _append(coordinator, "s1", ["m1", "m2"])
             got = outputs_of(await collect(coordinator, 2))
