@@ -463,3 +463,19 @@ async def test_d_a_new_owner_rebuilds_the_prompt_from_the_log(engine, settings, 
         assert second.last_prompts["s1"] == live + produced + (unk,) * 12
     finally:
         await coordinator.aclose()
+
+
+def test_each_request_samples_with_its_own_seed_unless_the_stage_fixes_one():
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+    from workers.backends.minicpmo_stage import seeded
+
+    params = vllm.SamplingParams(temperature=0.7, top_p=0.8)
+    first, second = (
+        seeded(params, "s1:0:0:0:0:duplex-u1-r0"),
+        seeded(params, "s2:0:0:0:0:duplex-u1-r0"),
+    )
+    assert first.seed != second.seed and None not in (first.seed, second.seed)
+    assert seeded(params, "s1:0:0:0:0:duplex-u1-r0").seed == first.seed  # drawn from the id
+    assert params.seed is None and first.temperature == 0.7  # a copy, nothing else changed
+    fixed = vllm.SamplingParams(temperature=0.7, seed=5)
+    assert seeded(fixed, "s1:0:0:0:0:duplex-u1-r0") is fixed

@@ -95,6 +95,7 @@ from workers.backends.minicpmo_session import (
     rebuild,
 )
 from workers.backends.request_log import RequestLog
+from workers.backends.vllm_engine import request_seed
 from workers.backends.vllm_history import released_by
 from workers.extensions.base import (
     AppendPlan,
@@ -113,6 +114,15 @@ SPEAK_TOKEN = "<|speak|>"
 
 
 # -- the backend ----------------------------------------------------------------------
+
+
+def seeded(params: Any, request_id: str) -> Any:
+    """``params`` with the request's own seed (``vllm_engine.request_seed``) when they fix
+    none: a seedless engine draws from one generator seeded at start, so every fresh
+    stack would sample a session's first answer the same way."""
+    if getattr(params, "seed", 0) is not None:
+        return params
+    return copy_sampling_params(params, {"seed": request_seed(request_id)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +144,12 @@ class Duplex:
     """``params`` decoding greedily (temperature 0), for a session whose settings say
     ``greedy`` (a greedy replay); None: ``params`` are used."""
 
-    def params_for(self, settings: SettingsPayload) -> Any:
-        """The stage-0 sampling parameters of a session with ``settings``."""
+    def params_for(self, settings: SettingsPayload, request_id: str) -> Any:
+        """The stage-0 sampling parameters of one request of a session with ``settings``:
+        with the request's own seed when the stage fixes none (``seeded``)."""
         if settings.greedy and self.greedy_params is not None:
             return self.greedy_params
-        return self.params
+        return seeded(self.params, request_id)
 
     def engine_prompt(self, prompt: DuplexPrompt) -> tuple[int, ...]:
         """What the engine gets for ``prompt``: markers in place of placeholder runs."""
@@ -440,7 +451,7 @@ class MiniCPMOStage:
             data = self.multi_modal_data(session)
             sent = duplex.engine_prompt(session.prompt)
             async for step in self.engine.stream(
-                sent, duplex.params_for(ctx.session), request_id, data
+                sent, duplex.params_for(ctx.session, request_id), request_id, data
             ):
                 if request_id not in session.live or step.finish_reason == "abort":
                     break  # released meanwhile: nothing more for this unit
