@@ -9,7 +9,8 @@
                                                # hosts, partitioned (root only)
 
 The report (JSON, plus a Markdown table beside it) has, per client and in
-total, what the checker counted, the recovery time of each fault class, the
+total, what the checker counted, the recovery time of each fault class and those
+slower than their bound (``over_bound``, asserted by the CI test), the
 faults struck and what the clients did, and the one-owner check of what the
 stages published as Redis kept it (``chaos.owners``). The exit code is 0 only
 when lost, stale, duplicated, out-of-order, dead and stalled are all zero and
@@ -29,7 +30,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from chaos.checker import COUNTS, Verdict, check, summarize
+from chaos.checker import (
+    COUNTS,
+    DEFAULT_BOUND_S,
+    RECOVERY_BOUND_S,
+    Verdict,
+    check,
+    over_bound,
+    summarize,
+)
 from chaos.client import ChaosClient, ClientConfig
 from chaos.cluster import Cluster
 from chaos.hosts import Hosts
@@ -195,6 +204,7 @@ def report(
         else "single",
         "totals": dict(verdict.totals),
         "recovery": verdict.recovery_summary(),
+        "over_bound": over_bound(verdict.recovery_summary()),
         "faults": {
             kind: sum(f.kind == kind for f in nemesis.log) for kind in args.faults.split(",")
         },
@@ -229,12 +239,15 @@ def markdown(result: dict[str, Any]) -> str:
         "|" + "---|" * len(COUNTS),
         "| " + " | ".join(str(totals[name]) for name in COUNTS) + " |",
         "",
-        "| fault | count | recovery p50 (s) | recovery max (s) |",
-        "|---|---|---|---|",
+        "| fault | count | recovery p50 (s) | recovery max (s) | bound (s) |",
+        "|---|---|---|---|---|",
     ]
     for kind, count in result["faults"].items():
         rec = result["recovery"].get(kind, {})
-        lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} |")
+        bound = RECOVERY_BOUND_S.get(kind, DEFAULT_BOUND_S)
+        over = " **over**" if kind in result.get("over_bound", {}) else ""
+        lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} "
+                     f"| {bound:g}{over} |")  # fmt: skip
     ops = result["operations"]
     owners = result.get("owners", {})
     lines += [

@@ -37,6 +37,28 @@ from chaos.history import BLOCKS, Attempt, History, Op
 COUNTS = ("lost", "stale", "duplicated", "out_of_order", "dead", "stalled")
 """What must be zero."""
 
+RECOVERY_BOUND_S = {
+    "drop_socket": 3.0,
+    "kill_redis": 8.0,
+    "partition": 20.0,
+}
+"""The most any fault of a class may take to recover in the CI shape (docs/nemesis.md,
+"Bounds"); a class not named here has ``DEFAULT_BOUND_S``. A fault's figure includes any
+other fault that struck meanwhile, so a bound is a single fault's worst path with room
+for one overlapping fault, not its median."""
+
+DEFAULT_BOUND_S = 15.0
+
+
+def over_bound(summary: dict[str, dict[str, float | int]]) -> dict[str, float]:
+    """The classes of a ``Verdict.recovery_summary`` whose slowest recovery passed its
+    bound, with that recovery (s)."""
+    return {
+        kind: float(figures["max_s"])
+        for kind, figures in summary.items()
+        if figures["max_s"] > RECOVERY_BOUND_S.get(kind, DEFAULT_BOUND_S)
+    }
+
 
 @dataclass(slots=True)
 class ClientResult:

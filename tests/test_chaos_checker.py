@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chaos.checker import Fault, check
+from chaos.checker import DEFAULT_BOUND_S, RECOVERY_BOUND_S, Fault, check, over_bound
 from chaos.history import Attempt, History, Op, parse_blocks
 
 A = Attempt(0, 1, 0)
@@ -129,3 +129,12 @@ def test_outputs_of_one_owner_at_a_time_pass_and_interleaved_owners_are_found():
     same_incarnation = [*clean, ("s:out", "talker", 2, 2)]  # two publishers, one seq
     assert two_owners(zombie) == ["s:out talker: inc 1 seq 3 after inc 2 seq 2"]
     assert two_owners(same_incarnation) == ["s:out talker: inc 2 seq 2 after inc 2 seq 2"]
+
+
+def test_a_class_slower_than_its_bound_is_named_with_its_slowest_recovery():
+    summary = {
+        "kill_worker": {"faults": 3, "p50_s": 4.0, "max_s": DEFAULT_BOUND_S + 0.5},
+        "drop_socket": {"faults": 2, "p50_s": 0.1, "max_s": RECOVERY_BOUND_S["drop_socket"]},
+        "partition": {"faults": 1, "p50_s": 16.0, "max_s": 16.0},
+    }
+    assert over_bound(summary) == {"kill_worker": DEFAULT_BOUND_S + 0.5}

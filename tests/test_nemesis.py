@@ -57,6 +57,7 @@ def test_the_nemesis_ci_run_finds_nothing(tmp_path, redis):
     assert all(struck[kind] >= 1 for kind in faults_for(redis == "cluster")), struck
     assert result["operations"]["ack"] > 1000 and result["operations"]["cancel_sent"] > 100
     assert result["owners"]["two_owners"] == 0, result["owners"]
+    assert result["over_bound"] == {}, result["recovery"]  # docs/nemesis.md, "Bounds"
     assert result["ok"] and run.returncode == 0
 
 
@@ -92,6 +93,7 @@ def test_the_nemesis_hosts_run_partitions_a_primary_and_loses_nothing(tmp_path):
     assert all(struck >= 1 for struck in result["faults"].values()), result["faults"]
     assert result["owners"]["two_owners"] == 0, result["owners"]
     assert result["owners"]["handovers"] > 0  # the check had takeovers to judge
+    assert result["over_bound"] == {}, result["recovery"]  # docs/nemesis.md, "Bounds"
     assert result["ok"] and run.returncode == 0
     listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True)
     left = [int(pid) for pid in re.findall(rf"{PREFIX}-(\d+)-", listed.stdout)]
