@@ -40,6 +40,8 @@ COUNTS = ("lost", "stale", "duplicated", "out_of_order", "dead", "stalled")
 RECOVERY_BOUND_S = {
     "drop_socket": 3.0,
     "kill_redis": 8.0,
+    "restart_primary": 20.0,
+    "promote_replica": 20.0,
     "partition": 20.0,
 }
 """The most any fault of a class may take to recover in the CI shape (docs/nemesis.md,

@@ -58,10 +58,11 @@ class Attachments:
         resume: bool,
         token: str = "",
         fresh: str = "",
-    ) -> str:
-        """Make ``attachment`` the session's connection, ``fresh`` its newest resume
-        token (a digest); a resume presents ``token``. Returns the digest of the token no
-        longer good ('' for none), whose lookup key the caller deletes."""
+    ) -> list[str]:
+        """Make ``attachment`` the session's connection, ``fresh`` a resume token of its
+        (a digest); a resume presents ``token``. Returns the digests of the tokens no
+        longer good (``scripts.ATTACH`` says which), whose lookup keys the caller
+        deletes."""
         meta = self.bus.keys.session(session_id).meta
         args = [attachment, digest, now_ms + self.ttl_ms, "1" if resume else "0", token, fresh]
         reply = await self.bus.run(self.bus.attach_script, [meta], args)
@@ -71,7 +72,8 @@ class Attachments:
             raise AuthError("this session was opened with another API key", ErrorCode.RESUME_FAILED)
         if reply[0] == "expired":
             raise AuthError("resume token is no longer valid", ErrorCode.RESUME_FAILED)
-        return str(reply[2])
+        dropped = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
+        return dropped.split()
 
     async def hold(self, held: Mapping[str, str], now_ms: int) -> dict[str, str]:
         """Renew each (session id -> attachment); returns each one's status:

@@ -266,8 +266,8 @@ class Connection:
             )  # fmt: skip
         except SessionClosedError as exc:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
-        if dropped:
-            await bus.client.delete(bus.keys.resume(dropped))
+        for digest in dropped:  # one by one: on a cluster each key has a slot of its own
+            await bus.client.delete(bus.keys.resume(digest))
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
         self.session_id = session_id
         self.config = await self._stored_config()

@@ -626,31 +626,49 @@ return remember(KEYS[1], {'ok', tonumber(m[2]), tonumber(m[3]), turn, resp})
 # CANCEL, RESERVE, JOURNAL and CONFIGURE). On open the digest of the API key is
 # recorded; a resume must present the same key.
 # Resume tokens (their digests ``presented`` and ``fresh``): open records ``fresh`` as
-# the session's newest token (tok). A resume must present the newest token or the one
-# before it (tok_prev), which stays good until the newest is used: a resume whose reply
-# was lost (the client never saw its new token) can be made again with the token it
-# presented. ``fresh`` becomes the newest; the reply names the token no longer good
-# ('' for none), whose lookup key the caller deletes. Repeating a call changes nothing
-# more (its ``fresh`` is already the newest).
+# the session's one pending token (tok). A resume must present a pending token or the
+# token they were handed out for (tok_prev, the last one the client proved it holds by
+# using it). Presenting a pending token proves the client got it: it becomes tok_prev,
+# and every other token is no longer good. Presenting tok_prev again keeps every
+# pending token good and adds ``fresh`` (at most four pending, the oldest dropped):
+# the client may hold any of them, since a resume whose reply was lost is made again
+# with tok_prev, and a resume its client gave up on (its socket silent, its coordinator
+# paused) can still be taken after the client's later one was answered; neither may
+# cost the client the token it holds. The reply names the tokens no longer good,
+# separated by spaces ('' for none), whose lookup keys the caller deletes. Repeating a
+# call changes nothing more (its ``fresh`` is already pending).
 ATTACH = r"""
 local m = redis.call('HMGET', KEYS[1], 'status', 'key', 'att', 'tok', 'tok_prev')
 if m[1] ~= 'open' then return {'closed'} end
-local dropped = ''
+local dropped = {}
 if ARGV[4] == '1' then
   if (m[2] or '') ~= ARGV[2] then return {'forbidden'} end
-  if ARGV[6] ~= '' and m[4] == ARGV[6] then return {'ok', '', ''} end
-  local newest, before = m[4] or ARGV[5], m[5]  -- no tok: opened before tokens were kept
-  if ARGV[5] == newest then
-    dropped = before or ''
-    redis.call('HSET', KEYS[1], 'tok_prev', newest)
-  elseif ARGV[5] == before then
-    dropped = newest
-  else
-    return {'expired'}
+  local pending = {}  -- no tok: opened before tokens were kept, the one presented stands
+  for t in string.gmatch(m[4] or ARGV[5], '%S+') do pending[#pending + 1] = t end
+  local used = false
+  for _, t in ipairs(pending) do
+    if ARGV[6] ~= '' and t == ARGV[6] then return {'ok', '', ''} end
+    if t == ARGV[5] then used = true end
   end
+  if used then
+    if m[5] then dropped[#dropped + 1] = m[5] end
+    for _, t in ipairs(pending) do
+      if t ~= ARGV[5] then dropped[#dropped + 1] = t end
+    end
+    redis.call('HSET', KEYS[1], 'tok_prev', ARGV[5])
+    pending = {}
+  elseif ARGV[5] ~= m[5] then
+    return {'expired'}
+  elseif #pending >= 4 then
+    dropped[#dropped + 1] = table.remove(pending, 1)
+  end
+  pending[#pending + 1] = ARGV[6]
+  redis.call('HSET', KEYS[1], 'key', ARGV[2], 'att', ARGV[1], 'att_until', ARGV[3],
+    'tok', table.concat(pending, ' '))
+  return {'ok', m[3] or '', table.concat(dropped, ' ')}
 end
 redis.call('HSET', KEYS[1], 'key', ARGV[2], 'att', ARGV[1], 'att_until', ARGV[3], 'tok', ARGV[6])
-return {'ok', m[3] or '', dropped}
+return {'ok', m[3] or '', ''}
 """
 
 # KEYS: meta    ARGV: attachment config

@@ -99,34 +99,41 @@ async def test_a_resume_while_the_old_socket_is_open_replaces_it(settings, same)
 
 
 async def test_the_resume_token_rotates_and_is_bound_to_the_api_key(settings):
-    """Each resume hands out a new token; the one presented stays good until the new one
-    is used. Cause: the presented token was deleted before the new one reached the
-    client, so a resume whose reply was lost (the socket or the coordinator died in
-    between) left a live session that no token could resume."""
+    """Each resume hands out a new token; the one presented stays good until a token
+    handed out for it is used, and so does every token handed out for it. Causes: the
+    presented token was deleted before the new one reached the client, so a resume whose
+    reply was lost (the socket or the coordinator died in between) left a live session
+    that no token could resume; then a resume the client had given up on (its
+    coordinator paused with the request in its socket, as the nemesis's hosts run did)
+    was taken after the client's later resume was answered, and dropped the token the
+    client held: six sessions dead in one run."""
 
     async def resumed_with(token: str) -> dict:
         async with Client.connect(base, key="k1") as client:
             return await resume(client, token)
+
+    def resumed(reply: dict) -> str:
+        assert reply["type"] == "duplexq.session.resumed", reply
+        return str(reply["resume_token"])
 
     async with serving(settings, ECHO) as base:
         async with Client.connect(base, key="k1") as first:
             t0 = (await first.recv())["duplexq"]["resume_token"]
         async with Client.connect(base, key="k2") as thief:
             assert (await resume(thief, t0))["error"]["code"] == "resume_failed"
-        lost = await resumed_with(t0)  # its reply never reached the client
-        assert lost["type"] == "duplexq.session.resumed" and lost["resume_token"] != t0
-        again = await resumed_with(t0)  # so it resumes again with the token it has
-        assert again["type"] == "duplexq.session.resumed"
-        t2 = again["resume_token"]
-        assert t2 not in (t0, lost["resume_token"])
-        # The token of the lost reply was superseded; the one presented twice is good
-        # until its successor is used.
-        assert (await resumed_with(lost["resume_token"]))["error"]["code"] == "resume_failed"
-        used = await resumed_with(t2)
-        assert used["type"] == "duplexq.session.resumed"
-        assert (await resumed_with(t0))["error"]["code"] == "resume_failed"
-        # t2 (presented last) still resumes until the newest token is used.
-        assert (await resumed_with(t2))["type"] == "duplexq.session.resumed"
+        lost = resumed(await resumed_with(t0))  # its reply never reached the client
+        held = resumed(await resumed_with(t0))  # so it resumes again with the token it has
+        late = resumed(await resumed_with(t0))  # one it gave up on, taken late
+        assert len({t0, lost, held, late}) == 4
+        t3 = resumed(await resumed_with(held))  # the late one did not cost it its token
+        # Using ``held`` proved the client got it: every other token is no longer good.
+        for stale in (t0, lost, late):
+            assert (await resumed_with(stale))["error"]["code"] == "resume_failed"
+        # ``held`` (presented last) still resumes until a token handed out for it is
+        # used; at most four such tokens are good at once, the oldest dropped.
+        more = [resumed(await resumed_with(held)) for _ in range(4)]
+        assert (await resumed_with(t3))["error"]["code"] == "resume_failed"
+        resumed(await resumed_with(more[0]))
 
 
 # -- the client whose coordinator died -------------------------------------------------
