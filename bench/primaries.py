@@ -49,6 +49,10 @@ class PrivateCluster:
     def pids(self) -> dict[str, int]:
         return {f"redis node {i}": node.pid for i, node in enumerate(self.nodes)}
 
+    @property
+    def persistent(self) -> bool:
+        return all(node.persistent for node in self.nodes)
+
     def start(self) -> PrivateCluster:
         for node in self.nodes:
             node.start()
