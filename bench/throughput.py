@@ -7,11 +7,12 @@ processes. The figure is events delivered per second once warm. Then the same
 worker counts each serve their own paced sessions (``bench.scaleout``): what an
 event costs as workers are added with their load.
 
-The references are the raw Python stream limits measured in the same run
-(``bench.raw``): ``unbatched`` (one command per message on every side, as
-the coordinator's appends are) and ``batched`` (64-message pipelines, as a
-stage catching up reads). CPU use per process is recorded with each point so
-that the report can say which process saturated first.
+The references are the raw Python stream limits measured in the same run, on a
+Redis persisting as this section's (``bench.raw``): ``unbatched`` (one command
+per message on every side, as the coordinator's appends are) and ``batched``
+(64-message pipelines, as a stage catching up reads). CPU use per process is
+recorded with each point so that the report can say which process saturated
+first.
 """
 
 from __future__ import annotations
