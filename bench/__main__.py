@@ -5,9 +5,12 @@
     python -m bench --only failover,raw  # some sections; the others keep their last results
     python -m bench --report-only        # redraw the page and chart from bench/results.json
 
-Every section starts its own redis-server (free port, temp dir, no
-persistence). The raw limit runs first whenever a section compares against
-it, so every ratio is against a reference measured in the same run. Results
+Every section starts its own redis-server (free port, temp dir on the machine's
+disk) with the persistence the product ships (AOF, fsynced before every reply);
+the raw limit, latency and throughput sections run a second time on a twin
+Redis without persistence, so that what the fsync costs stands beside them. The
+raw limit runs first whenever a section compares against it, so every ratio is
+against a reference measured in the same run, on a Redis persisting alike. Results
 go to ``bench/results.json``; the page and its chart (``docs/benchmarks.md``,
 ``docs/benchmarks.png``) are generated from that file. Benchmarks are not
 tests: pytest never collects this package.
@@ -45,6 +48,7 @@ from bench import (
     throughput,
 )
 from bench.common import ROOT, machine_info, private_redis, write_json
+from bench.fsync import TWINNED
 from bench.plan import FULL, QUICK, SECTIONS, Plan
 
 NEEDS_RAW = {"latency", "throughput", "bargein", "backlog", "scaling", "primaries"}
@@ -95,11 +99,28 @@ def command_line(argv: list[str] | None) -> str:
     return " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
 
 
-async def _section(name: str, plan: Plan, reference: dict[str, Any], logs: Path) -> dict[str, Any]:
-    with private_redis(name) as server:
+async def _on_redis(
+    name: str, plan: Plan, reference: dict[str, Any], logs: Path, *, persistent: bool
+) -> dict[str, Any]:
+    with private_redis(name, persistent=persistent) as server:
         if name == "raw":
             return await raw.run(server, plan, logs)
         return await RUNNERS[name](server, plan, reference, logs)
+
+
+async def _section(name: str, plan: Plan, reference: dict[str, Any], logs: Path) -> dict[str, Any]:
+    """``name`` on the shipped persistence, and for a ``TWINNED`` one again without."""
+    result = await _on_redis(name, plan, reference, logs, persistent=True)
+    if name in TWINNED:
+        print(f"[{name}] again on a Redis without persistence", flush=True)
+        try:
+            twin = await _on_redis(name, plan, reference.get("unpersisted", {}), logs,
+                                   persistent=False)  # fmt: skip
+        except Exception as exc:  # the twin failing leaves the shipped figures standing
+            traceback.print_exc()
+            twin = {"error": f"{type(exc).__name__}: {exc}"}
+        result["unpersisted"] = twin
+    return result
 
 
 async def run(plan: Plan, sections: tuple[str, ...], logs: Path) -> dict[str, Any]:

@@ -78,7 +78,7 @@ async def run(
     sessions = plan.backlog_sessions
     per_session = plan.backlog_events // sessions
     total = per_session * sessions
-    settings = bench_settings(server.url, "bl", worker_capacity=sessions + 1)
+    settings = bench_settings(server, "bl", worker_capacity=sessions + 1)
     pipeline = echo_pipeline(STAGE)
     pool = WorkerPool(settings, pipeline, STAGE, log_dir / "backlog")
     coordinator = Coordinator(settings, pipeline)

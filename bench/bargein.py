@@ -164,7 +164,7 @@ async def _run_stage(
     env: dict[str, str] | None = None, first_timeout: float = 30.0,
 ) -> dict[str, Any]:  # fmt: skip
     pipeline = PipelineConfig(name=f"barge-{stage.name}", stages=(stage,))
-    settings = bench_settings(server.url, f"bi{stage.name}", worker_capacity=trials + 1)
+    settings = bench_settings(server, f"bi{stage.name}", worker_capacity=trials + 1)
     pool = WorkerPool(settings, pipeline, stage.name, log_dir / f"bargein-{stage.name}")
     trace = pool.log_dir / "trace.jsonl"
     worker = pool.spawn("traced", module="bench.traced_worker", extra=["--trace", str(trace)],

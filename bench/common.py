@@ -1,8 +1,10 @@
 """What every benchmark shares: a private redis-server, child processes, statistics.
 
 Each benchmark starts its own ``redis-server`` on a free port with its data in
-a temporary directory and no persistence, so nothing else on the machine (a
-Redis on 6379, another engineer's tests) shares its server. Worker processes
+a temporary directory on the machine's disk, so nothing else on the machine (a
+Redis on 6379, another engineer's tests) shares its server. It persists as the
+product ships (``REDIS_PERSISTENCE``: AOF, fsynced before every reply) unless a
+twin without persistence is asked for, to show what the fsync costs. Worker processes
 are plain ``python -m workers`` children configured through the ``DUPLEXQ_*``
 environment, as an operator would start them.
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from schemas.config import PipelineConfig, Settings
+from schemas.config import REDIS_PERSISTENCE, PipelineConfig, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -103,13 +105,18 @@ class BenchRedis(Protocol):
     def url(self) -> str: ...
     @property
     def pids(self) -> dict[str, int]: ...
+    @property
+    def persistent(self) -> bool: ...
     def flush(self) -> None: ...
 
 
 class PrivateRedis:
-    """One redis-server of a benchmark: own port, own temp dir, no persistence."""
+    """One redis-server of a benchmark: own port, own temp dir; the shipped persistence
+    (``REDIS_PERSISTENCE``) unless ``persistent`` is False (AOF off)."""
 
-    def __init__(self, workdir: Path, extra: list[str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, extra: list[str] | None = None, *, persistent: bool = True
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup installs it)")
@@ -118,6 +125,7 @@ class PrivateRedis:
         self.port = free_port()
         self.extra = extra or []
         """More redis-server options (a cluster node's)."""
+        self._persistent = persistent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -128,7 +136,8 @@ class PrivateRedis:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
+            "--dir", str(self.workdir), "--save", "",
+            *(REDIS_PERSISTENCE if self._persistent else ("--appendonly", "no")),
             "--maxmemory-policy", "noeviction", "--logfile", str(self.workdir / "redis.log"),
             *self.extra,
         ]  # fmt: skip
@@ -172,6 +181,11 @@ class PrivateRedis:
         """The Redis processes whose CPU a benchmark counts."""
         return {"redis": self.pid}
 
+    @property
+    def persistent(self) -> bool:
+        """Whether it runs the shipped persistence (AOF, fsync before every reply)."""
+        return self._persistent
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -184,10 +198,11 @@ class PrivateRedis:
 
 
 @contextlib.contextmanager
-def private_redis(name: str) -> Iterator[PrivateRedis]:
-    """A started redis-server in a fresh temp dir, stopped (and the dir removed) after."""
+def private_redis(name: str, *, persistent: bool = True) -> Iterator[PrivateRedis]:
+    """A started redis-server in a fresh temp dir, stopped (and the dir removed) after; the
+    shipped persistence unless ``persistent`` is False."""
     workdir = Path(tempfile.mkdtemp(prefix=f"duplexq-bench-{name}-"))
-    server = PrivateRedis(workdir / "redis")
+    server = PrivateRedis(workdir / "redis", persistent=persistent)
     try:
         yield server.start()
     finally:
@@ -347,13 +362,15 @@ async def wait_workers(bus: Any, stage: str, count: int, limit_s: float = 30.0) 
     raise TimeoutError(f"{count} {stage} worker(s) did not start within {limit_s} s")
 
 
-def bench_settings(url: str, prefix: str, **overrides: Any) -> Settings:
+def bench_settings(server: BenchRedis, prefix: str, **overrides: Any) -> Settings:
     """Product defaults, pointed at the private server, with a benchmark's overrides.
 
-    ``redis_durability`` is relaxed: a benchmark's Redis runs without persistence (its
-    figures are the runtime's, not the disk's; docs/benchmarks.md), which a worker
-    checking its Redis at start would otherwise refuse."""
-    values = {"redis_url": url, "key_prefix": prefix, "redis_durability": "relaxed"}
+    On a server without persistence (the twin that shows what the fsync costs),
+    ``redis_durability`` is relaxed: a worker checking its Redis at start would otherwise
+    refuse it. On the shipped persistence nothing is relaxed."""
+    values: dict[str, Any] = {"redis_url": server.url, "key_prefix": prefix}
+    if not server.persistent:
+        values["redis_durability"] = "relaxed"
     return Settings.model_validate({**values, **overrides})
 
 

@@ -45,7 +45,7 @@ AFTER_TTL_S = 3.0
 
 async def one_ttl(server: PrivateRedis, plan: Any, ttl_ms: int, log_dir: Path) -> dict[str, Any]:
     settings = bench_settings(
-        server.url, f"fo{ttl_ms}", lease_ttl_ms=ttl_ms, heartbeat_ms=max(50, ttl_ms // 4),
+        server, f"fo{ttl_ms}", lease_ttl_ms=ttl_ms, heartbeat_ms=max(50, ttl_ms // 4),
         orphan_scan_ms=100, worker_capacity=plan.failover_sessions,
     )  # fmt: skip
     pipeline = echo_pipeline(STAGE)

@@ -95,7 +95,7 @@ async def through_pipeline(
     server = PrivateRedis(log_dir / "redis").start()
     stage = StageConfig(name=STAGE, backend="vllm", to_client=True, options=options)
     pipeline = PipelineConfig(name="gpu-ttft", stages=(stage,))
-    settings = bench_settings(server.url, "gpu", worker_capacity=warmup + requests + 1)
+    settings = bench_settings(server, "gpu", worker_capacity=warmup + requests + 1)
     pool = WorkerPool(settings, pipeline, STAGE, log_dir)
     coordinator = Coordinator(settings, pipeline)
     samples: list[int] = []

@@ -2,9 +2,9 @@
 
 ``python -m bench --only primaries``: one echo worker driven to saturation (as
 section 3) on the section's single Redis, then on a private Redis Cluster of 3
-primaries with a replica each (six redis-server processes, no persistence, as
-every benchmark Redis). On the cluster every script is acknowledged once a
-replica has its writes (``WAIT 1``, ``dataplane/replicated.py``) and reads
+primaries with a replica each (six redis-server processes, with the shipped
+persistence as every benchmark Redis). On the cluster every script is
+acknowledged once a replica has its writes (``WAIT 1``, ``dataplane/replicated.py``) and reads
 are split per slot: the figure is what those cost, and the CPU of all six nodes
 is counted. On a 2-core machine more primaries cannot add capacity (they share
 the same cores as everything else); what a cluster buys is room beyond one
@@ -48,6 +48,10 @@ class PrivateCluster:
     @property
     def pids(self) -> dict[str, int]:
         return {f"redis node {i}": node.pid for i, node in enumerate(self.nodes)}
+
+    @property
+    def persistent(self) -> bool:
+        return all(node.persistent for node in self.nodes)
 
     def start(self) -> PrivateCluster:
         for node in self.nodes:

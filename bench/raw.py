@@ -23,6 +23,10 @@ Measured here:
   replay, which appends one input at a time);
 - ``redis_benchmark``: redis-benchmark's XADD (C client) with one client
   unpipelined, and 50 clients pipelining 16: what the server itself allows.
+
+On a Redis with the shipped persistence every stream also counts the fsyncs
+Redis made while it ran (``fsync``: events per fsync, ``bench.fsync``), and
+``fsync_time`` is one fsync timed in Redis's own directory.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from bench.common import (
     python_env,
     summarize_ns,
 )
+from bench.fsync import FsyncCounter, fsync_time, per_event
 from bench.raw_peer import GROUP, ensure_group
 
 CHUNK = bytes(1280)
@@ -157,6 +162,7 @@ async def stream(
     client, reader = _client(server.url), _client(server.url)
     peer = await Peer(server, name, batch, log_dir).start(client)
     meter = CpuMeter({"client": os.getpid(), "peer": peer.child.pid, "redis": server.pid})
+    fsyncs = FsyncCounter(server.pid).start() if server.persistent else None
     try:
         meter.start()
         began = now_ns()
@@ -166,6 +172,7 @@ async def stream(
         elapsed = (now_ns() - began) / 1e9
         cpu = meter.read()
         cpu_us = meter.per_event_us(count)
+        fsynced = per_event(fsyncs.stop(), count) if fsyncs else None
         await peer.finish(client)
     finally:
         await client.aclose()
@@ -179,6 +186,7 @@ async def stream(
         "latency_under_load": summarize_ns(latencies),
         "cpu_percent": cpu,
         "cpu_us_per_event": cpu_us,
+        **({"fsync": fsynced} if fsynced else {}),
     }
 
 
@@ -240,7 +248,9 @@ async def xadd_only(server: PrivateRedis, count: int, in_flight: int) -> dict[st
 
 async def run(server: PrivateRedis, plan: Any, log_dir: Any) -> dict[str, Any]:
     """Every raw figure, on ``server`` (flushed between parts)."""
-    result: dict[str, Any] = {"payload_bytes": len(CHUNK)}
+    result: dict[str, Any] = {"payload_bytes": len(CHUNK), "persistent": server.persistent}
+    if server.persistent:
+        result["fsync_time"] = fsync_time(server.workdir)
     result.update(await round_trip(server, plan.raw_rtt_samples, 200, log_dir))
     server.flush()
     result["unbatched"] = await stream(server, "one", plan.raw_stream_events // 4, 1, log_dir)

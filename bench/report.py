@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import coalesce_report, linger, primaries, scaleout, takein
+from bench.durability_report import beside_twins, fsync_section, twin_tables, twins
 from bench.mdformat import f, ms_pair, table, x
 from bench.plan import SECTIONS
 from bench.report_sections import (
@@ -59,10 +60,15 @@ bench/gpu.sh                              # on a CUDA machine: vLLM time to firs
 
 Needs `redis-server` and `redis-benchmark` (Debian's `redis-server` /
 `redis-tools`; `scripts/setup` installs them). Each section starts its own
-redis-server on a free port with its data in a temp dir and no persistence
-(AOF and RDB off: disk speed is not what is measured), and its own worker
-processes (`python -m workers`, product defaults unless a section says
-otherwise). Benchmarks are never part of the test run.
+redis-server on a free port with its data in a temp dir on the machine's disk
+and the persistence the product ships (`--appendonly yes --appendfsync always`:
+the AOF is written and fsynced before every reply), and its own worker processes
+(`python -m workers`, product defaults unless a section says otherwise). Sections
+1-3 run a second time on a twin Redis without persistence (AOF off), in the same
+run, so that what the fsync costs stands beside every figure; the headline
+ratios compare the pipeline with raw streams on a Redis persisting alike.
+`perf` (`linux-tools`) lets the run count Redis's fsyncs (*What the fsync costs*).
+Benchmarks are never part of the test run.
 
 ## This run
 
@@ -88,9 +94,22 @@ above the core count at the start means other work was running too.
 """
 
 
+def _ok(sections: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sections.items() if isinstance(v, dict) and "error" not in v}
+
+
 def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
+    ok = _ok(sections)
+    rows = beside_twins(_first_rows(ok), _first_rows(_ok(twins(ok))))
+    tp = ok.get("throughput", {})
+    rows += cpu_growth_rows(tp.get("points", []))
+    rows += scaleout.summary_rows(tp.get("scaled_out", []))
+    return rows + _later_rows(ok)
+
+
+def _first_rows(ok: dict[str, Any]) -> list[list[Any]]:
+    """Summary rows of sections 1-3: the raw limit, latency and throughput."""
     rows: list[list[Any]] = []
-    ok = {k: v for k, v in sections.items() if isinstance(v, dict) and "error" not in v}
     raw_s = ok.get("raw")
     if raw_s:
         single = raw_s.get("redis_benchmark", {}).get("single_client", {})
@@ -140,8 +159,12 @@ def _summary_rows(sections: dict[str, Any]) -> list[list[Any]]:
                     x(cpu["total"] / raw_cpu["total"]) if raw_cpu["total"] else "-",
                 ]
             )
-    rows += cpu_growth_rows(tp.get("points", []))
-    rows += scaleout.summary_rows(tp.get("scaled_out", []))
+    return rows
+
+
+def _later_rows(ok: dict[str, Any]) -> list[list[Any]]:
+    """Summary rows of sections 4 on."""
+    rows: list[list[Any]] = []
     bi = ok.get("bargein", {})
     for name in ("echo", "vllm"):
         part = bi.get(name, {})
@@ -210,8 +233,6 @@ def not_measured(results: dict[str, Any]) -> str:
         "- The client API (WebSocket, `coordinator/realtime.py`): the benchmarks call the\n"
         "  `Coordinator` directly, so JSON/base64 framing and the client's network hop are\n"
         "  not in these figures.",
-        "- Redis persistence: every server here runs without AOF or RDB; with\n"
-        "  `appendfsync always` each append also waits for a disk sync.",
         "- More than one coordinator process, and pipelines of more than one stage\n"
         "  (each extra stage is one more hop of the same kind).",
     ]
@@ -230,8 +251,12 @@ def render(results: dict[str, Any], chart: str) -> str:
         header(results, chart),
         summary_section(results),
         raw_section(sections.get("raw")),
+        twin_tables(raw_section, sections.get("raw")),
         latency_section(sections.get("latency")),
+        twin_tables(latency_section, sections.get("latency")),
         throughput_section(sections.get("throughput")),
+        twin_tables(throughput_section, sections.get("throughput")),
+        fsync_section(sections),
         bargein_section(sections.get("bargein")),
         failover_section(sections.get("failover")),
         backlog_section(sections.get("backlog")),
@@ -244,4 +269,4 @@ def render(results: dict[str, Any], chart: str) -> str:
         not_measured(results),
         timings(results),
     ]
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(part for part in parts if part) + "\n"

@@ -67,7 +67,7 @@ async def echo_rig(
     **overrides: Any,
 ) -> AsyncIterator[Rig]:
     capacity = max(1, math.ceil(sessions / workers))
-    settings = bench_settings(server.url, name, worker_capacity=capacity, **overrides)
+    settings = bench_settings(server, name, worker_capacity=capacity, **overrides)
     pipeline = echo_pipeline(STAGE)
     pool = WorkerPool(settings, pipeline, STAGE, log_dir / name)
     coordinator = Coordinator(settings, pipeline)

@@ -33,7 +33,7 @@ STAGE = "echo"
 
 async def take_in(server: PrivateRedis, log_dir: Path, sessions: int) -> dict[str, Any]:
     name = f"take{sessions}"
-    settings = bench_settings(server.url, name, worker_capacity=sessions)
+    settings = bench_settings(server, name, worker_capacity=sessions)
     pipeline = echo_pipeline(STAGE)
     pool = WorkerPool(settings, pipeline, STAGE, log_dir / name)
     coordinator = Coordinator(settings, pipeline)

@@ -7,11 +7,12 @@ processes. The figure is events delivered per second once warm. Then the same
 worker counts each serve their own paced sessions (``bench.scaleout``): what an
 event costs as workers are added with their load.
 
-The references are the raw Python stream limits measured in the same run
-(``bench.raw``): ``unbatched`` (one command per message on every side, as
-the coordinator's appends are) and ``batched`` (64-message pipelines, as a
-stage catching up reads). CPU use per process is recorded with each point so
-that the report can say which process saturated first.
+The references are the raw Python stream limits measured in the same run, on a
+Redis persisting as this section's (``bench.raw``): ``unbatched`` (one command
+per message on every side, as the coordinator's appends are) and ``batched``
+(64-message pipelines, as a stage catching up reads). CPU use per process is
+recorded with each point so that the report can say which process saturated
+first.
 """
 
 from __future__ import annotations
@@ -21,17 +22,22 @@ from typing import Any
 
 from bench import raw, scaleout
 from bench.common import BenchRedis, PrivateRedis, cpu_of, median_run, ratio
+from bench.fsync import FsyncCounter, per_event
 from bench.load import saturate
 from bench.rig import echo_rig
 
 
 async def saturated(
-    server: BenchRedis, log_dir: Path, name: str, workers: int, plan: Any
+    server: BenchRedis, log_dir: Path, name: str, workers: int, plan: Any, **overrides: Any
 ) -> dict[str, Any]:
     """One saturation point: ``workers`` echo workers driven as fast as they answer,
-    with each process's CPU share and CPU per event."""
+    with each process's CPU share and CPU per event, and on a persistent single Redis the
+    fsyncs it made per event sent. ``overrides`` change the product's settings."""
     async with echo_rig(server, log_dir, name=name, workers=workers,
-                        sessions=plan.throughput_sessions) as rig:  # fmt: skip
+                        sessions=plan.throughput_sessions, **overrides) as rig:  # fmt: skip
+        counter = None
+        if server.persistent and isinstance(server, PrivateRedis):
+            counter = FsyncCounter(server.pid).start()
         meter = rig.cpu_meter().start()
         point = await saturate(
             rig.coordinator, rig.collector, rig.session_ids, seconds=plan.throughput_seconds,
@@ -39,6 +45,8 @@ async def saturated(
         )  # fmt: skip
         point["cpu_percent"] = meter.read()
         point["cpu_us_per_event"] = meter.per_event_us(point["sent"])
+        if counter is not None:
+            point["fsync"] = per_event(counter.stop(), point["sent"])
     return point
 
 
@@ -99,6 +107,8 @@ async def paired(server: PrivateRedis, plan: Any, log_dir: Path) -> dict[str, An
             "raw_cpu_us_per_event": (
                 round(sum(raw_cpu) / 2, 1) if None not in raw_cpu else None
             ),
+            "events_per_fsync": point.get("fsync", {}).get("events_per_fsync"),
+            "raw_events_per_fsync": _mean_per_fsync(before, after),
         })  # fmt: skip
         print(f"  pair {index + 1}: raw batched {before['events_per_s']:.0f} / "
               f"{after['events_per_s']:.0f} ev/s around 1 worker {point['events_per_s']:.0f} "
@@ -107,6 +117,12 @@ async def paired(server: PrivateRedis, plan: Any, log_dir: Path) -> dict[str, An
     if not pairs:
         return {}
     return {"pairs": pairs, "median": median_run(pairs, lambda pair: pair["ratio"])}
+
+
+def _mean_per_fsync(*runs: dict[str, Any]) -> float | None:
+    """The raw runs' mean events per fsync; None without persistence or perf."""
+    values = [r.get("fsync", {}).get("events_per_fsync") for r in runs]
+    return round(sum(values) / len(values), 1) if values and None not in values else None
 
 
 CORES = 16

@@ -11,10 +11,11 @@ a batch that would follow the previous one within the linger
 
 With a ``batch_size`` (Kafka's producer ``batch.size``), a batch that fills up
 is sent at once, written to the socket before the turn's later calls are made,
-and those form the next batch. A coordinator's appends are made in one turn by
-every client its last reply woke; sent whole, Redis waited while they were
-built and the coordinator while Redis ran them. Sent as they fill, the two
-overlap (``tests/test_batching.py``; docs/scaling.md measures it).
+and those form the next batch: Redis runs one batch while the caller builds
+the next (``tests/test_batching.py``). The coordinator ships without one
+(``Settings.append_batch`` 0): on a Redis that fsyncs its AOF before every
+reply, each batch would wait for an fsync of its own, where a whole turn's
+appends share one (docs/scaling.md measures both).
 
 Several calls of one script in a batch go as one call of its *multi* form
 (``multi_script``): the script run once per call inside one EVALSHA, each call

@@ -89,13 +89,14 @@ class Settings(BaseSettings):
     arriving meanwhile joins it: fewer, fuller rounds for at most this much delay per
     hop (section 11 of docs/benchmarks.md measures it). A lone caller and a quiet loop
     are never delayed. 0 turns it off."""
-    append_batch: int = Field(24, ge=0, le=256)
-    """A coordinator sends its script calls (the clients' appends, mostly) to Redis as
-    soon as this many are waiting, instead of at the end of its event loop's turn: under
-    load Redis runs one batch while the coordinator builds the next (docs/scaling.md,
-    "Why a saturated pipeline leaves part of the machine idle"). 0: each turn's calls
-    go together. Workers always send a turn's publishes together: a smaller batch there
-    merges fewer outputs and costs more per event."""
+    append_batch: int = Field(0, ge=0, le=256)
+    """0 (shipped): a coordinator sends the script calls of one turn of its event loop (the
+    clients' appends, mostly) to Redis together, so that one fsync of Redis's AOF covers
+    all of them. N: it sends them as soon as N are waiting, instead of at the end of the
+    turn: Redis runs one batch while the coordinator builds the next, which helps a Redis
+    without persistence but makes each batch wait for an fsync of its own on the shipped
+    one (docs/scaling.md, "What the shipped persistence costs"). Workers always send a
+    turn's publishes together."""
     read_batch: int = Field(64, ge=1, le=10_000)
     """Most entries one stream read returns; a stage catching up gets batches this big."""
     coalesce_ms: int = Field(20, ge=0, le=1000)
