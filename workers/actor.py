@@ -420,7 +420,7 @@ class SessionActor:
             if self._published_before_death(event.seq):
                 continue
             self._stage(draft, fence, event.seq)
-            if draft.flush and coalescer.hold(_now()):
+            if draft.flush and coalescer.hold(_now(), draft.kind):
                 await self._publish_held(coalescer)
         if coalescer.held:
             await self._publish_held(coalescer)
