@@ -43,6 +43,7 @@ from bench import (
     report,
     takein,
     throughput,
+    voice,
 )
 from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.plan import FULL, QUICK, SECTIONS, Plan
@@ -65,6 +66,7 @@ RUNNERS: dict[str, Section] = {
     "primaries": primaries.run,
     "linger": linger.run,
     "coalesce": coalesce_report.run,
+    "voice": voice.run,
 }
 
 
