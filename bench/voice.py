@@ -89,7 +89,7 @@ async def _speak_turn(ws: Any, text: str) -> _Turn:
     from tests.speech import silence, speak
 
     chunks, last_loud = _pcm16_chunks(np.concatenate([speak(text, RATE), silence(0.2, RATE)]))
-    quiet = _pcm16_chunks(np.concatenate([silence(CHUNK_MS / 1000, RATE)]))[0][0]
+    quiet = base64.b64encode(bytes(2 * RATE * CHUNK_MS // 1000)).decode()
     turn = _Turn()
     listener = asyncio.create_task(_listen(ws, turn))
     started = time.monotonic()
@@ -129,9 +129,10 @@ def summarize(turns: list[_Turn], spans: dict[str, int]) -> dict[str, Any]:
     stages: dict[str, dict[str, list[float]]] = {}
     for w in shown:
         for s in w["stages"]:  # type: ignore[index]
-            entry = stages.setdefault(s["stage"], {"work": [], "queued": []})
+            entry = stages.setdefault(s["stage"], {"work": [], "queued": [], "busy": []})
             entry["work"].append(s["work_ms"])
             entry["queued"].append(s["queued_ms"])
+            entry["busy"].append(s["busy_ms"])
     detect = [v - w["total_ms"] for v, w in zip(v2v, shown, strict=True)]  # type: ignore[index]
     share = [o / v for o, v in zip(own, v2v, strict=True) if v > 0]
     v2v_s, own_s = _summary(v2v), _summary(own)
@@ -143,8 +144,7 @@ def summarize(turns: list[_Turn], spans: dict[str, int]) -> dict[str, Any]:
         "delivery": _summary([w["delivery_ms"] for w in shown]),  # type: ignore[index]
         "turn_detection": _summary(detect),
         "stages": {
-            name: {"work": _summary(v["work"]), "queued": _summary(v["queued"])}
-            for name, v in stages.items()
+            name: {key: _summary(values) for key, values in v.items()} for name, v in stages.items()
         },
         "own_share_p95": round(own_s["p95_ms"] / v2v_s["p95_ms"], 4),
         "own_share_per_turn_p95": round(_pct(share, 0.95), 4) if share else None,
@@ -180,6 +180,7 @@ async def run(
     from tests.shipped_stack import serve_shipped_stack
 
     count = plan.voice_turns
+    load_before = os.getloadavg()[0]
     saved = dict(os.environ)
     with otlp_receiver() as receiver, tempfile.TemporaryDirectory(prefix="bench-voice-") as tmp:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
@@ -196,7 +197,11 @@ async def run(
     traced = [t.waterfall["trace_id"] for t in turns if t.waterfall]
     counts = [per_trace.get(trace, 0) for trace in traced]
     spans = {"traces": len(traced), "min": min(counts, default=0), "max": max(counts, default=0)}
-    return summarize(turns, spans)
+    # The machine's load (1-minute average) as the run began and ended: every figure here
+    # is of processes sharing the machine's cores with whatever else runs.
+    load = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
+            "cores": os.cpu_count()}  # fmt: skip
+    return {**summarize(turns, spans), "load": load}
 
 
 def summary_rows(s: dict[str, Any] | None) -> list[list[Any]]:
@@ -224,8 +229,10 @@ def section(s: dict[str, Any] | None) -> str:
         "per append) and lets the server VAD end each turn (`bench/voice.py`). Voice to\n"
         "voice runs from the last chunk holding speech being sent to the answer's first\n"
         "audio delta. The breakdown is the turn's trace as the product emits it\n"
-        "(`docs/tracing.md`): each stage's work on the path to the first audio, and\n"
-        "duplexq's own time between the stages and to the client. Turn detection is what\n"
+        "(`docs/tracing.md`): each stage's work on the path to the first audio (with the\n"
+        "time its input waited while the stage was still busy with earlier input, such\n"
+        "as the utterance's end waiting for the ASR to transcribe it), and duplexq's own\n"
+        "time between the stages and to the client. Turn detection is what\n"
         "comes before the trace begins: the VAD waiting for its silence, plus the last\n"
         f"chunk's trip to the coordinator. {s['measured']} of {s['turns']} turns were "
         "answered with audio and measured.\n"
@@ -233,6 +240,7 @@ def section(s: dict[str, Any] | None) -> str:
     rows = [["voice to voice", s["voice_to_voice"]], ["turn detection", s["turn_detection"]]]
     for name, stage in s["stages"].items():
         rows.append([f"{name}: work", stage["work"]])
+        rows.append([f"{name}: of which busy with earlier input", stage["busy"]])
         rows.append([f"{name}: wait before it (duplexq)", stage["queued"]])
     rows.append(["last stage to the client (duplexq)", s["delivery"]])
     rows.append(["**duplexq's own, in all**", s["own"]])
@@ -247,4 +255,11 @@ def section(s: dict[str, Any] | None) -> str:
         f"{spans['traces']} traces reached the OTLP receiver with {spans['min']} to "
         f"{spans['max']} spans (a root and one per stage)."
     )
+    if load := s.get("load"):
+        out.append(
+            f"\nThe machine's load average was {load['before']:g} as the run began and "
+            f"{load['after']:g} as it ended, on {load['cores']} cores: the stages, Redis and\n"
+            "the client share those cores with whatever else runs, and a starved process\n"
+            "makes every wait longer, duplexq's own included."
+        )
     return "\n".join(out)

@@ -36,19 +36,23 @@ def _ms(ns: int) -> float:
 def waterfall(trace: TraceContext, delivered_ns: int) -> dict[str, Any]:
     """The ``duplexq.turn.trace`` event for a turn whose answer reached the client at
     ``delivered_ns``: per stage its wait (``queued_ms``: duplexq's) and its work
-    (``start_ms`` to ``end_ms`` from the turn's start: the stage's model)."""
+    (``start_ms`` to ``end_ms`` from the turn's start: the stage's model, including
+    any wait while the stage was still busy with earlier input, ``busy_ms``)."""
     start = trace.start_ns
     stages = []
     own = 0
     for mark in trace.marks:
-        queued = max(0, mark.took_ns - mark.sent_ns)
+        busy = min(mark.busy_ns, max(0, mark.took_ns - mark.sent_ns))
+        began = mark.took_ns - busy
+        queued = max(0, began - mark.sent_ns)
         own += queued
         stages.append({
             "stage": mark.stage,
             "queued_ms": _ms(queued),
-            "start_ms": _ms(mark.took_ns - start),
+            "start_ms": _ms(began - start),
             "end_ms": _ms(mark.made_ns - start),
-            "work_ms": _ms(mark.made_ns - mark.took_ns),
+            "work_ms": _ms(mark.made_ns - began),
+            "busy_ms": _ms(busy),
         })  # fmt: skip
     last = trace.marks[-1].made_ns if trace.marks else start
     delivery = max(0, delivered_ns - last)

@@ -102,5 +102,14 @@ def span_sink(service: str) -> SpanSink | None:
     global _sink  # noqa: PLW0603 - one exporter per process, as OpenTelemetry has it
     if _sink is None and tracing_configured():
         _sink = SpanSink(service)
-        atexit.register(_sink.close)
+        atexit.register(close_sink)
     return _sink
+
+
+def close_sink() -> None:
+    """Export what is pending and forget the process's sink (at exit; a test that turned
+    tracing on for its own process turns it off again with this)."""
+    global _sink
+    sink, _sink = _sink, None
+    if sink is not None:
+        sink.close()

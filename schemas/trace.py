@@ -34,6 +34,10 @@ class StageMark(msgspec.Struct, frozen=True, array_like=True):
     made_ns: int
     """When this stage made the output that carries the mark: from ``took_ns`` to here
     is the stage's own work (its model)."""
+    busy_ns: int = 0
+    """How much of the wait from ``sent_ns`` to ``took_ns`` this stage was still busy
+    with earlier input (an ASR transcribing the utterance whose end then waited): that
+    part is the stage's work too, not duplexq's."""
 
 
 class TraceContext(msgspec.Struct, frozen=True, array_like=True):

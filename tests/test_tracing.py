@@ -163,4 +163,9 @@ def test_the_waterfall_adds_up_and_a_replay_drops_the_trace():
     assert shown["total_ms"] == 210.0
     assert shown["own_ms"] == 2.0 + 1.0 + 6.0  # two hops between stages, one to the client
     assert [(s["start_ms"], s["end_ms"]) for s in shown["stages"]] == [(2.0, 3.0), (4.0, 204.0)]
+    # A stage still busy with earlier input when its input was made: that wait is its own.
+    busy = with_mark(trace, StageMark("thinker", 1_204_000_000, 1_304_000_000, 1_404_000_000,
+                                      busy_ns=90_000_000))  # fmt: skip
+    thinker = waterfall(busy, 1_405_000_000)["stages"][-1]
+    assert (thinker["queued_ms"], thinker["work_ms"], thinker["busy_ms"]) == (10.0, 190.0, 90.0)
     assert untraced(CommitPayload(respond=True, trace=trace)) == CommitPayload(respond=True)

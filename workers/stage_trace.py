@@ -8,7 +8,8 @@ The actor of a session's stage has a ``StageTracer`` only while tracing is on
   that trace the current one and opens the stage's span of the turn, if not open;
 - ``stamp`` gives each output staged meanwhile the current trace one ``StageMark``
   further (when the input was made, when this stage took it, when it made the
-  output), so the next stage continues the same trace;
+  output, and how long of the wait before it took the input it was still busy with
+  earlier input), so the next stage continues the same trace;
 - a stage that reads the session itself (the server VAD) begins the trace when it
   ends the user's speech (``speech_stopped``, or a turn end it decided) while no trace
   is current: that is where the turn ends for the user;
@@ -65,6 +66,9 @@ class StageTracer:
         self._trace: TraceContext | None = None
         self._sent_ns = 0
         self._took_ns = 0
+        self._busy_ns = 0
+        self._free_ns = 0
+        """When the backend last finished handling an event."""
         self._span: _OpenSpan | None = None
         self._closed_id = b""
         """The trace whose span was exported last: late outputs of it open none again."""
@@ -75,13 +79,16 @@ class StageTracer:
         trace = self._trace = trace_of(event)
         if trace is None:
             self._sent_ns = event.ts_ms * 1_000_000 if isinstance(event, InputEvent) else now
-            return
-        self._sent_ns = trace.marks[-1].made_ns if trace.marks else trace.start_ns
-        self._open(trace, now)
+        else:
+            self._sent_ns = trace.marks[-1].made_ns if trace.marks else trace.start_ns
+            self._open(trace, now)
+        # Busy until the previous event was handled, if that was after this one was made.
+        self._busy_ns = max(0, min(now, self._free_ns) - self._sent_ns)
 
     def handled(self) -> None:
         """The event is done with: outputs staged from now on answer no traced input."""
         self._trace = None
+        self._free_ns = time.time_ns()
 
     def stamp(self, draft: OutputDraft) -> TraceContext | None:
         """The trace for an output being staged now (None: it belongs to no trace)."""
@@ -99,7 +106,8 @@ class StageTracer:
             span.outputs += 1
             if draft.kind is OutputKind.DONE:
                 self.close()
-        return with_mark(trace, StageMark(self.stage, self._sent_ns, self._took_ns, now))
+        mark = StageMark(self.stage, self._sent_ns, self._took_ns, now, self._busy_ns)
+        return with_mark(trace, mark)
 
     def _open(self, trace: TraceContext, start_ns: int) -> None:
         span = self._span
