@@ -75,10 +75,13 @@ async def _listen(ws: Any, turn: _Turn) -> None:
     while not (turn.done and turn.waterfall is not None):
         event = json.loads(await ws.recv())
         kind = event["type"]
+        # Only the answer to this turn's question counts: audio once the speech was
+        # sent, and the waterfall that follows that audio (not a late one of before).
         if kind == "response.output_audio.delta" and turn.first_audio is None:
-            turn.first_audio = time.monotonic()
-        elif kind == "duplexq.turn.trace":
-            turn.waterfall = event
+            if turn.speech_end:
+                turn.first_audio = time.monotonic()
+        elif kind == "duplexq.turn.trace" and turn.first_audio is not None:
+            turn.waterfall = turn.waterfall or event
         elif kind == "response.done" and turn.first_audio is not None:
             turn.done = True
         elif kind == "error":
