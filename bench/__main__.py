@@ -46,6 +46,7 @@ from bench import (
     report,
     takein,
     throughput,
+    voice,
 )
 from bench.common import ROOT, machine_info, private_redis, write_json
 from bench.fsync import TWINNED
@@ -69,6 +70,7 @@ RUNNERS: dict[str, Section] = {
     "primaries": primaries.run,
     "linger": linger.run,
     "coalesce": coalesce_report.run,
+    "voice": voice.run,
 }
 
 

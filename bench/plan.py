@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SECTIONS = ("raw", "latency", "throughput", "bargein", "failover", "backlog", "scaling", "takein",
-            "primaries", "linger", "coalesce")  # fmt: skip
+            "primaries", "linger", "coalesce", "voice")  # fmt: skip
 """Every section of ``python -m bench``, in the order they run and are reported."""
 
 
@@ -71,6 +71,8 @@ class Plan:
     """Answers of 50 streamed tokens each session streams per setting (``bench.coalesce``)."""
     coalesce_repeats: int = 3
     """Runs of each coalescing setting; the figures are their medians."""
+    voice_turns: int = 20
+    """Spoken questions of the voice-to-voice benchmark (``bench.voice``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,4 +132,5 @@ QUICK = Plan(
     scaleout_sessions_per_worker=20,
     coalesce_answers=4,
     coalesce_repeats=1,
+    voice_turns=3,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import coalesce_report, linger, primaries, scaleout, takein
+from bench import coalesce_report, linger, primaries, scaleout, takein, voice
 from bench.durability_report import beside_twins, fsync_section, twin_tables, twins
 from bench.mdformat import f, ms_pair, table, x
 from bench.plan import SECTIONS
@@ -207,6 +207,7 @@ def _later_rows(ok: dict[str, Any]) -> list[list[Any]]:
         + primaries.summary_rows(ok.get("primaries"))
         + linger.summary_rows(ok.get("linger"))
         + coalesce_report.summary_rows(ok.get("coalesce"))
+        + voice.summary_rows(ok.get("voice"))
     )
 
 
@@ -266,6 +267,7 @@ def render(results: dict[str, Any], chart: str) -> str:
         primaries.section(sections.get("primaries")),
         linger.section(sections.get("linger")),
         coalesce_report.section(sections.get("coalesce")),
+        voice.section(sections.get("voice")),
         not_measured(results),
         timings(results),
     ]

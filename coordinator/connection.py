@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from coordinator import client_requests, conversation, socket_io
 from coordinator.auth import Identity
 from coordinator.limits import CONTROL_EVENTS, ConnectionLimits
@@ -47,6 +49,7 @@ from coordinator.response_requests import ResponseRequests
 from coordinator.resume import replay_journal
 from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
+from coordinator.turn_trace import TurnTrace
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
     AuthError,
@@ -92,6 +95,7 @@ from schemas.realtime import (
 )
 from schemas.session_fields import judged
 from schemas.session_shape import session_object, stage_settings
+from schemas.trace import new_trace
 
 if TYPE_CHECKING:
     from coordinator.hub import Hub
@@ -137,6 +141,8 @@ class Connection:
         self._refused: set[str] = set()
         """Function calls whose late result was refused once (a re-send is taken)."""
         self.turn_clock = TurnClock()
+        self.turn_trace: TurnTrace | None = None
+        """Set once the session is known, while tracing is on (``coordinator.turn_trace``)."""
         self.closed = False
         """Set once this connection stopped serving (evicted or overflowed): nothing more
         is sent on its socket or written for its session."""
@@ -493,6 +499,8 @@ class Connection:
         # The turn ends as its commit arrives: the clock starts before the answer (which
         # may come back before the append returns) can be sent.
         self.turn_clock.committed(time.monotonic())
+        if self.turn_trace is not None:
+            payload = msgspec.structs.replace(payload, trace=new_trace(time.time_ns()))
         try:
             fence = await self.coordinator.authority.reserve_response(
                 self.session_id, attachment=self.attachment
@@ -572,6 +580,12 @@ class Connection:
                 measured = self.turn_clock.sent(server_event, time.monotonic())
                 if measured is not None:
                     FIRST_OUTPUT.labels(turn=measured[0]).observe(measured[1])
+            if self.turn_trace is not None and isinstance(event, OutputEvent):
+                shown = self.turn_trace.sent(event, time.time_ns())
+                if shown is not None and not await self._send(
+                    {**shown, "event_id": _fresh_event_id()}
+                ):
+                    return
 
     async def _send(self, server_event: dict[str, Any]) -> bool:
         """Send within ``client_send_timeout_ms``; a client that does not take it is

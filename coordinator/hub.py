@@ -18,8 +18,10 @@ from coordinator.admission import LiveSessions
 from coordinator.attachments import Attachments
 from coordinator.client_secrets import ClientSecrets
 from coordinator.service import Coordinator
+from coordinator.turn_trace import TurnTrace
 from dataplane.authority import now_ms as _now_ms
 from dataplane.metrics import SESSIONS
+from dataplane.tracing import span_sink
 from schemas.config import PipelineConfig, Settings
 from schemas.errors import DuplexqError, RedisFullError, ResourceExhaustedError
 
@@ -129,6 +131,8 @@ class Hub:
     async def register(self, connection: Connection) -> None:
         """``connection`` now serves its session; one it replaces here is closed."""
         sid = connection.session_id
+        if (sink := span_sink("duplexq-coordinator")) is not None:
+            connection.turn_trace = TurnTrace(sink, sid, self.terminal)
         grace = self.graces.pop(sid, None)
         if grace is not None:
             grace.cancel()

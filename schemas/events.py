@@ -24,6 +24,7 @@ import msgspec
 
 from schemas.errors import WireDecodeError
 from schemas.fence import Fence
+from schemas.trace import TraceContext
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -86,13 +87,16 @@ class UnitPayload(msgspec.Struct, frozen=True, tag="unit"):
     video: VideoPayload | None = None
 
 
-class CommitPayload(msgspec.Struct, frozen=True, tag="commit"):
+class CommitPayload(msgspec.Struct, frozen=True, tag="commit", omit_defaults=True):
     """The end of the user's turn (``input_audio_buffer.commit``, ``response.create``)."""
 
     respond: bool = False
     """A ``response.create`` asked for this response: the model answers from the
     conversation even when the turn added nothing (no speech heard, a function's result,
     no new input at all), and every stage passes the turn's end on for it."""
+    trace: TraceContext | None = None
+    """The turn's trace, begun by the coordinator as it took the commit (only while
+    tracing is on: ``docs/tracing.md``)."""
 
 
 class ClearPayload(msgspec.Struct, frozen=True, tag="clear"):
@@ -230,8 +234,9 @@ class OutputKind(StrEnum):
     ``ConversationPayload``): not for the client, not bound to a response."""
 
 
-class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):
-    """One output of a stage, stamped with the fence it was produced under."""
+class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t", omit_defaults=True):
+    """One output of a stage, stamped with the fence it was produced under (fields at
+    their default are left off the wire)."""
 
     fence: Fence
     stage: str
@@ -245,6 +250,8 @@ class OutputEvent(msgspec.Struct, frozen=True, tag="out", tag_field="t"):
     token_ids: tuple[NonNegative, ...] = ()
     meta: dict[str, MetaValue] = {}
     ts_ms: NonNegative = 0
+    trace: TraceContext | None = None
+    """The trace of the turn this output answers (only while tracing is on)."""
 
 
 class ControlKind(StrEnum):

@@ -33,9 +33,11 @@ import numpy as np
 import pytest
 
 from dataplane.readiness import StageModel
+from dataplane.tracing import close_sink
 from schemas.config import PipelineConfig, StageConfig, echo_pipeline, load_pipeline
 from schemas.events import AudioPayload, InputEvent, PlaybackPayload
 from tests.browser_helpers import DemoPage, demo_page, write_speech_wav, write_tone_wav
+from tests.otlp_receiver import otlp_receiver
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import ROOT
 from tests.realtime_helpers import serving
@@ -88,7 +90,7 @@ async def test_the_demo_page_and_its_files_are_served(settings):
         script = await asyncio.to_thread(_get, f"{http(base)}/static/app.js")
         modules = [
             await asyncio.to_thread(_get, f"{http(base)}/static/{name}")
-            for name in ("pcm.js", "player.js", "capture-worklet.js")
+            for name in ("pcm.js", "player.js", "capture-worklet.js", "waterfall.js")
         ]
     assert page[0] == 200 and page[1].startswith("text/html")
     assert b'src="/static/app.js"' in page[2]
@@ -310,6 +312,48 @@ async def test_spoken_turn_is_answered_and_interruptions_silence_it(settings, tm
         "barge-ins:",
         [(b["trigger"], b["silenceMs"], b["cancelledMs"], b["voiceMs"]) for b in lat["bargeIns"]],
     )
+
+
+async def test_the_page_shows_the_last_turns_waterfall(settings, tmp_path, monkeypatch):
+    """With tracing on, a spoken turn's trace (begun by the server VAD at the end of
+    speech) reaches the OTLP receiver with a span per stage, and the page draws the
+    waterfall of the duplexq.turn.trace event it was sent."""
+    pipeline = speech_pipeline()
+    wav = tmp_path / "speech.wav"
+    write_speech_wav(wav, PHRASE, lead_s=0.3, tail_s=4.0)
+    with otlp_receiver() as receiver:
+        # Tracing on for this process, where the coordinator and the workers run; the
+        # batch exporter's delay (5 s by default) shortened so the spans come sooner.
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        try:
+            async with (
+                speech_workers(settings, pipeline),
+                serving(settings, pipeline) as base,
+                demo_page(http(base), wav) as demo,
+            ):
+                await demo.page.click("#connect")
+                await demo.wait_for("(s.eventCounts['input_audio_buffer.speech_stopped'] || 0) > 0")
+                await demo.page.check("#mute")
+                state = await demo.wait_for("s.lastTurnTrace !== null", 40)
+                names = await demo.page.eval_on_selector_all(
+                    "#waterfall .wf-name", "els => els.map((e) => e.textContent)"
+                )
+                bars = await demo.page.eval_on_selector_all(
+                    "#waterfall .wf-bar", "els => els.map((e) => e.getBoundingClientRect().width)"
+                )
+                shown = await demo.page.is_visible("#waterfall")
+                summary = await demo.page.text_content("#waterfall .wf-summary")
+        finally:
+            close_sink()  # exports what is pending
+        spans = receiver.spans
+    trace = state["lastTurnTrace"]
+    assert [s["stage"] for s in trace["stages"]] == ["vad", "asr", "thinker", "tts"]
+    assert shown and names == ["vad", "asr", "thinker", "tts", "to you"]
+    assert len(bars) == 9 and any(width > 10 for width in bars)
+    assert summary is not None and "duplexq's own" in summary
+    mine = {s.name for s in spans if s.trace_id == trace["trace_id"]}
+    assert mine == {"duplexq.turn", "stage vad", "stage asr", "stage thinker", "stage tts"}
 
 
 async def _panes(demo: DemoPage) -> dict[str, Any]:

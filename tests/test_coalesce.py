@@ -38,6 +38,15 @@ def test_first_draft_goes_at_once_then_one_publish_per_window():
     assert c.deadline is None  # nothing held, nothing due
 
 
+def test_the_first_draft_of_each_kind_goes_at_once():
+    c = Coalescer(CoalescePolicy(window_s=0.02, cap=100))
+    assert c.hold(1.000, "transcript")
+    c.published(1.000)
+    assert c.hold(1.001, "audio_delta")  # the answer's first audio waits for no window
+    c.published(1.001)
+    assert not c.hold(1.002, "audio_delta") and not c.hold(1.003, "transcript")
+
+
 def test_a_stream_slower_than_the_window_waits_for_nothing():
     c = Coalescer(CoalescePolicy(window_s=0.02, cap=100))
     for step in range(5):

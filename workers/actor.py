@@ -90,6 +90,7 @@ from workers.ownership import (
     PublishStatus,
     StageOwnership,
 )
+from workers.stage_trace import StageTracer
 
 log = logging.getLogger("duplexq.worker")
 
@@ -184,6 +185,8 @@ class SessionActor:
         self._publishes = PUBLISHES.labels(stage=ctx.stage)
         self._answer_now = getattr(backend, "answer_now", None)
         """The backend's ``AnswersAtOnce.answer_now``, if it has one."""
+        self.tracer: StageTracer | None = None
+        """Set by the worker while tracing is on (``workers.stage_trace``)."""
 
     def enqueue(self, batch: list[Entry]) -> None:
         """Queue a batch read from the stage's input (called by the data reader)."""
@@ -289,7 +292,11 @@ class SessionActor:
         else:
             failpoint("after_read", event.seq)
             self._follow(event.fence)
+            if self.tracer is not None:
+                self.tracer.took(event)
             await self._handle(event)
+            if self.tracer is not None:
+                self.tracer.handled()
             if not self.active:
                 return  # stopped mid-event: it stays unapplied for the next owner
         self._advance(entry.id, event.seq)
@@ -413,7 +420,7 @@ class SessionActor:
             if self._published_before_death(event.seq):
                 continue
             self._stage(draft, fence, event.seq)
-            if draft.flush and coalescer.hold(_now()):
+            if draft.flush and coalescer.hold(_now(), draft.kind):
                 await self._publish_held(coalescer)
         if coalescer.held:
             await self._publish_held(coalescer)
@@ -458,6 +465,7 @@ class SessionActor:
                 data=draft.data,
                 token_ids=draft.token_ids,
                 meta=dict(draft.meta),
+                trace=None if self.tracer is None else self.tracer.stamp(draft),
             )
         )
 
@@ -650,6 +658,8 @@ class SessionActor:
     async def shutdown(self) -> None:
         """Stop producing and drop backend state; called once as the actor retires."""
         self.stop()
+        if self.tracer is not None:
+            self.tracer.close()
         await self.backend.stop(self.ctx)
 
 

@@ -5,8 +5,9 @@ sentence of audio). Publishing each at once costs one publish script, one
 Redis round trip and one wake-up of every reader per step. The actor instead
 asks a ``Coalescer`` (one per answer) after staging each flush draft:
 
-- the answer's first flush draft is published at once: the time to first
-  output does not change;
+- the answer's first flush draft of each kind (its first text, its first audio) is
+  published at once: the time to first output does not change, nor the time to
+  first audio of an answer whose transcript comes first (``tests/test_coalesce.py``);
 - a later one is published at once if the window (``Settings.coalesce_ms``)
   has passed since the answer's last publish, so a stream slower than the
   window pays nothing;
@@ -55,6 +56,8 @@ class Coalescer:
         """When the answer's last publish began (None: nothing published yet)."""
         self.staged_at: list[float] = []
         """When each held draft was staged, oldest first."""
+        self.kinds: set[str] = set()
+        """The kinds of draft staged so far."""
 
     @property
     def held(self) -> int:
@@ -67,11 +70,15 @@ class Coalescer:
             return None
         return self.last_publish + self.policy.window_s
 
-    def hold(self, now: float) -> bool:
-        """A flush draft was staged at ``now``; True: publish it (and all held) now."""
+    def hold(self, now: float, kind: str = "") -> bool:
+        """A flush draft of ``kind`` was staged at ``now``; True: publish it (and all
+        held) now."""
         self.staged_at.append(now)
+        first = kind not in self.kinds
+        self.kinds.add(kind)
         return (
-            self.last_publish is None
+            first
+            or self.last_publish is None
             or len(self.staged_at) >= self.policy.cap
             or now - self.last_publish >= self.policy.window_s
         )

@@ -58,6 +58,7 @@ from dataplane.logs import session_extra
 from dataplane.metrics import FAILOVERS, OWNED_SESSIONS, STAGE_LAG, STAGE_PENDING
 from dataplane.pacing import Pacer
 from dataplane.readiness import StageModel, announce, withdraw
+from dataplane.tracing import span_sink
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
 from schemas.errors import DuplexqError, ErrorCode, RedisFullError, WireDecodeError
 from schemas.events import SettingsPayload, decode_control
@@ -70,6 +71,7 @@ from workers.heartbeat import Renewals
 from workers.loading import ModelLoadFailed, load_until_stopped
 from workers.ownership import AcquireStatus, Lease, StageOwnership
 from workers.rebuild import load_takeover
+from workers.stage_trace import StageTracer
 
 log = logging.getLogger("duplexq.worker")
 
@@ -284,6 +286,14 @@ class Worker:
             chunk = orphans[start : start + TAKE_CONCURRENCY]
             await asyncio.gather(*(self._take(session_id) for session_id in chunk))
 
+    def _tracer(self, session_id: str) -> StageTracer | None:
+        """The session's stage tracer while tracing is on (``workers.stage_trace``)."""
+        sink = span_sink(f"duplexq-{self.stage}")
+        if sink is None:
+            return None
+        starts = self.stage_config.input == SESSION_INPUT
+        return StageTracer(self.stage, session_id, sink, starts_turns=starts)
+
     async def _take(self, session_id: str) -> None:
         if session_id in self.actors or self.state is not WorkerState.RUNNING:
             return
@@ -345,6 +355,7 @@ class Worker:
             return
         published = {} if self.backend.rebuild.resumes_answers else takeover.published
         actor = SessionActor(lease, self.ownership, self.backend, ctx, published, self.settings)
+        actor.tracer = self._tracer(session_id)
         ctx.emit = actor.emit
         serving = self._serve(actor)
         try:

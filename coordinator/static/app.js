@@ -49,9 +49,13 @@
 // microphone on), as it does when the answer ends or is interrupted (locally or by
 // the server).
 //
+// Trace: while tracing is on, the server sends duplexq.turn.trace once a turn's answer
+// begins; the Latency pane then draws that turn's waterfall (waterfall.js).
+//
 // window.duplexqDemo exposes the page's state for tests and for the curious.
 
 import { Player } from "./player.js";
+import { renderWaterfall } from "./waterfall.js";
 import { Resampler, base64ToBytes, bytesToBase64, floatToPcm16, pcm16ToFloat } from "./pcm.js";
 
 const INPUT_RATE = 24000;
@@ -107,6 +111,7 @@ function newState() {
       turns: [],
       bargeIns: [],
     },
+    lastTurnTrace: null, // the latest duplexq.turn.trace (tracing on)
     errors: [],
     micSampleRate: null,
     micFramesSent: 0,
@@ -564,6 +569,11 @@ class Demo {
     }
   }
 
+  onTurnTrace(event) {
+    this.state.lastTurnTrace = event;
+    renderWaterfall($("waterfall"), event);
+  }
+
   onError(event) {
     const error = event.error || {};
     this.state.errors.push({ code: error.code, message: error.message });
@@ -913,6 +923,7 @@ class Demo {
 
 const HANDLERS = {
   "session.created": Demo.prototype.onSessionCreated,
+  "duplexq.turn.trace": Demo.prototype.onTurnTrace,
   error: Demo.prototype.onError,
   "input_audio_buffer.speech_started": Demo.prototype.onSpeech,
   "input_audio_buffer.speech_stopped": Demo.prototype.onSpeech,
