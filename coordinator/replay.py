@@ -53,6 +53,19 @@ from typing import IO, Any, Literal
 import msgspec
 
 from coordinator.output_reader import JournalFollower
+from coordinator.replay_verdict import (
+    NOT_COMPARED,
+    STREAMED,
+    Comparison,
+    Mismatch,
+    as_read,
+    compare_outputs,
+    compared,
+    joins,
+    output_key,
+    summarize,
+)
+from coordinator.replay_wait import TurnWaiter, client_records
 from dataplane.authority import SessionAuthority
 from dataplane.bus import Entry, RedisBus
 from schemas.config import PipelineConfig
@@ -76,6 +89,11 @@ from schemas.keys import Keys
 from schemas.realtime import SessionConfig
 from schemas.session_shape import settings_from_json
 
+__all__ = [  # the comparison lives in replay_verdict; these are its names users import
+    "STREAMED", "Comparison", "Mismatch", "as_read", "compare_outputs", "joins",
+    "output_key", "summarize",
+]  # fmt: skip
+
 Pace = Literal["fast", "recorded"]
 ProgressFn = Callable[[int, int], None]
 """Called with (inputs appended, inputs to append) after each append."""
@@ -85,112 +103,6 @@ PAGE = 256
 POLL_S = 0.05
 
 # -- comparing outputs (pure) ---------------------------------------------------------
-
-
-def output_key(event: OutputEvent) -> tuple[str, str, str, bytes, tuple[int, ...], str]:
-    """What makes two outputs the same for a replay: (stage, kind, text, data, token ids,
-    and for a function call the function and the call's id)."""
-    call = ""
-    if event.kind is OutputKind.FUNCTION_CALL:
-        call = f"{event.meta.get('name', '')}:{event.meta.get('call_id', '')}"
-    return event.stage, event.kind.value, event.text, event.data, event.token_ids, call
-
-
-def summarize(event: OutputEvent | None) -> str:
-    """A short human description of one output."""
-    if event is None:
-        return "(none)"
-    text = event.text if len(event.text) <= 40 else event.text[:37] + "..."
-    return (
-        f"{event.stage}/{event.kind.value} text={text!r} data={len(event.data)}B "
-        f"tokens={len(event.token_ids)}"
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """The first position where two sessions' outputs differ."""
-
-    index: int
-    source: str
-    target: str
-
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    """How two sessions' client outputs compare."""
-
-    source_outputs: int
-    target_outputs: int
-    matched: int
-    """Leading outputs that are equal."""
-    first_mismatch: Mismatch | None
-
-    @property
-    def identical(self) -> bool:
-        return self.first_mismatch is None
-
-
-STREAMED = frozenset({OutputKind.TEXT_DELTA, OutputKind.AUDIO_DELTA})
-"""Output kinds a client joins: their cut into pieces is not part of the answer."""
-
-
-def joins(previous: OutputEvent, event: OutputEvent) -> bool:
-    """Whether ``event`` continues the stream ``previous`` is part of, as read."""
-    return (
-        event.kind in STREAMED
-        and event.kind is previous.kind
-        and event.stage == previous.stage
-        and event.fence == previous.fence
-    )
-
-
-def as_read(outputs: Sequence[OutputEvent]) -> list[OutputEvent]:
-    """``outputs`` with every run of ``STREAMED`` outputs of one stage and kind under
-    one fence joined into one (text, data and token ids concatenated; the first's
-    seq and meta kept): what a client reads, whatever the cut."""
-    joined: list[OutputEvent] = []
-    run: list[OutputEvent] = []
-
-    def close_run() -> None:
-        if len(run) == 1:
-            joined.append(run[0])
-        elif run:
-            joined.append(
-                msgspec.structs.replace(
-                    run[0],
-                    text="".join(o.text for o in run),
-                    data=b"".join(o.data for o in run),
-                    token_ids=tuple(i for o in run for i in o.token_ids),
-                )
-            )
-        run.clear()
-
-    for event in outputs:
-        if run and not joins(run[0], event):
-            close_run()
-        if event.kind in STREAMED:
-            run.append(event)
-        else:
-            joined.append(event)
-    close_run()
-    return joined
-
-
-def compare_outputs(source: Sequence[OutputEvent], target: Sequence[OutputEvent]) -> Comparison:
-    """Compare two output sequences as read (``as_read``), position by position."""
-    source, target = as_read(source), as_read(target)
-    matched = 0
-    for a, b in zip(source, target, strict=False):
-        if output_key(a) != output_key(b):
-            break
-        matched += 1
-    mismatch = None
-    if matched < max(len(source), len(target)):
-        a_out = source[matched] if matched < len(source) else None
-        b_out = target[matched] if matched < len(target) else None
-        mismatch = Mismatch(matched, summarize(a_out), summarize(b_out))
-    return Comparison(len(source), len(target), matched, mismatch)
 
 
 async def client_outputs(bus: RedisBus, session_id: str) -> list[OutputEvent]:
@@ -370,8 +282,7 @@ class ReplayReport:
         ]
         if c.first_mismatch is not None:
             m = c.first_mismatch
-            lines += [f"  first mismatch at {m.index}:", f"    {self.reference or 'source'} "
-                      f"{m.source}", f"    target {m.target}"]  # fmt: skip
+            lines += m.describe(self.reference or "source")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -452,7 +363,7 @@ async def _wait_outputs(
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
-    read = ended = 0  # outputs as read (``as_read``), counted as they come; answers ended
+    read = ended = 0  # outputs as compared (``compared``); answers ended
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
@@ -460,12 +371,11 @@ async def _wait_outputs(
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
-            events = pipeline_outputs(follower, page)
-            for event in events:
-                read += not (outputs and joins(outputs[-1], event))
-                ended += event.kind is OutputKind.DONE
-                outputs.append(event)
+            events = [e for e in pipeline_outputs(follower, page) if e.kind not in NOT_COMPARED]
+            outputs += events
+            ended += sum(event.kind is OutputKind.DONE for event in events)
             if events:
+                read = len(compared(outputs))
                 last_growth = time.monotonic()
             continue
         now = time.monotonic()
@@ -518,10 +428,15 @@ async def replay_session(
     if (await bus.hmget(bus.keys.session(target).meta, ["status"]))[0] is not None:
         # Opening a closed id would reopen it and wipe what it recorded.
         raise SessionExistsError(f"replay target {target!r} exists; replay needs a new session id")
-    recorded = await client_outputs(bus, reference or source)
+    records = await client_records(bus, reference or source)
+    recorded = [event for _, event in records]
     source_greedy = await recorded_greedily(bus, source)
     authority = SessionAuthority(bus, pipeline)
     await _open_target(authority, bus, source, target, greedy)
+    # Each input waits for the answers the source had given before it (replay_wait).
+    source_records = records if reference is None else await client_records(bus, source)
+    turns = TurnWaiter(bus, target, source_records,
+                       [stage.name for stage in pipeline.stages], wait_timeout_s)  # fmt: skip
     done = skipped = first_seq = 0
     previous_ts: int | None = None
     async for page in _input_pages(bus, sk.input, end or "+"):
@@ -531,6 +446,7 @@ async def replay_session(
             except WireDecodeError:
                 skipped += 1
                 continue
+            await turns.before(entry.id)
             if pace == "recorded" and (delay := pace_delay(previous_ts, event.ts_ms, speed)):
                 await sleep(delay)
             previous_ts = event.ts_ms
@@ -543,11 +459,11 @@ async def replay_session(
     # A greedy replay of a sampled source answers otherwise: the source's count of
     # outputs says nothing of the target's, so the target runs until it is quiet.
     waits_quiet = greedy and reference is None and not source_greedy and bool(recorded)
-    expected = None if waits_quiet else len(as_read(recorded))
+    expected = None if waits_quiet else len(compared(recorded))
     responses = sum(o.kind is OutputKind.DONE for o in recorded) if waits_quiet else 0
     outputs, complete = await _wait_outputs(
         bus, target, expected, wait_timeout_s, quiet_s, responses=responses,
-        pieces=len(recorded),
+        pieces=sum(o.kind not in NOT_COMPARED for o in recorded),
     )  # fmt: skip
     comparison = compare_outputs(recorded, outputs)
     if close_target:
