@@ -456,6 +456,7 @@ async def replay_session(
             done += 1
             if progress is not None:
                 progress(done + skipped, total)
+    await turns.at_end()
     # A greedy replay of a sampled source answers otherwise: the source's count of
     # outputs says nothing of the target's, so the target runs until it is quiet.
     waits_quiet = greedy and reference is None and not source_greedy and bool(recorded)

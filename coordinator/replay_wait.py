@@ -100,7 +100,16 @@ class TurnWaiter:
         """Wait until the target has ended the answers the source had ended before the
         input logged as ``input_entry_id``; False when the wait timed out (now or on an
         earlier input: the waiter then no longer waits)."""
-        needed = answers_before(self.recorded, entry_ms(input_entry_id), self.stages)
+        return await self._until(entry_ms(input_entry_id))
+
+    async def at_end(self) -> bool:
+        """Wait until the target has ended every answer the source ended (after the last
+        input: a stage may think longer than any quiet spell the final wait allows)."""
+        return await self._until(None)
+
+    async def _until(self, ms: int | None) -> bool:
+        end = self.recorded[-1][0] + 1 if self.recorded else 0
+        needed = answers_before(self.recorded, end if ms is None else ms, self.stages)
         if self.timed_out or not needed:
             return not self.timed_out
         deadline = time.monotonic() + self.timeout_s
