@@ -540,12 +540,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.set_defaults(func=replay_command)
 
 
+MODEL_BACKENDS = frozenset({"vllm", "minicpmo", "mage_vl"})
+
+
 def sampled_stages(pipeline: PipelineConfig) -> list[str]:
     """Model stages whose answers vary from run to run: sampling (temperature above 0)
     with no fixed seed. Their replays differ even when nothing else does."""
     found = []
     for stage in pipeline.stages:
-        if stage.backend not in ("vllm", "minicpmo", "mage_vl"):
+        if stage.backend not in MODEL_BACKENDS:
             continue
         temperature = float(stage.options.get("temperature", 0.7))
         if temperature > 0 and stage.options.get("seed") is None:
@@ -573,10 +576,30 @@ GREEDY_HINT = (
 
 
 def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
-    """What to say under a DIFFERENT verdict."""
+    """What to say under a DIFFERENT verdict, about the record that decided it: sampling
+    only when that record is a sampling model stage's and the replay was not greedy."""
     if report.identical:
         return None
-    return GREEDY_HINT if report.greedy else sampling_hint(pipeline)
+    deciding = report if report.again is None else report.again
+    mismatch = deciding.comparison.first_mismatch
+    if mismatch is None:
+        return (
+            "  note: every output the target gave is equal, but it had not given them all "
+            "when the wait ended (raise --timeout on a slow machine)"
+        )
+    stage = next((s for s in pipeline.stages if s.name == mismatch.stage), None)
+    sampled = stage is not None and any(
+        found.startswith(f"{stage.name} (") for found in sampled_stages(pipeline)
+    )
+    if sampled and not report.greedy:
+        return sampling_hint(pipeline)
+    if stage is not None and stage.backend in MODEL_BACKENDS and report.greedy:
+        return f"{GREEDY_HINT}; here the model stage {stage.name}"
+    return (
+        f"  note: the first difference is stage {mismatch.stage}'s, which does not sample: "
+        "it heard other inputs or at other times (a cancel or barge-in the source received "
+        "is not replayed), or it answers differently to the same ones"
+    )
 
 
 def replay_command(args: argparse.Namespace) -> int:
