@@ -66,7 +66,7 @@ def test_a_voice_session_replayed_greedily_is_identical(shipped_stack: ShippedSt
     out = done.stdout
     print(out)
     assert done.returncode == 0, out + done.stderr
-    assert f"-replayed (default, fast, greedy): greedy replays identical\n" in out, out
+    assert "-replayed (default, fast, greedy): greedy replays identical\n" in out, out
     assert "note:" not in out
     # Both replays gave every answer: two turns of ASR (speech started, stopped, the
     # transcript, done), thinker (the text, done) and TTS (a transcript and audio per
