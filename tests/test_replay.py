@@ -19,12 +19,10 @@ from coordinator.control import (
 )
 from coordinator.output_reader import JournalFollower
 from coordinator.replay import (
-    GREEDY_HINT,
     Comparison,
     Mismatch,
     ProgressPrinter,
     ReplayReport,
-    add_commands,
     as_read,
     client_outputs,
     compare_outputs,
@@ -33,9 +31,9 @@ from coordinator.replay import (
     pipeline_outputs,
     progress_bar,
     replay_greedily,
-    replay_hint,
     replay_session,
 )
+from coordinator.replay_cli import GREEDY_HINT, add_commands, replay_hint
 from coordinator.service import Coordinator
 from dataplane.bus import Entry
 from schemas.config import echo_pipeline
@@ -427,7 +425,7 @@ async def test_replay_job_runs_once_on_the_control_plane(settings, coordinator):
 
 
 def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
-    from coordinator.replay import sampled_stages, sampling_hint
+    from coordinator.replay_cli import sampled_stages, sampling_hint
     from schemas.config import load_pipeline
     from tests.processes import ROOT
 

@@ -19,9 +19,9 @@ import pytest_asyncio
 from coordinator.replay import (
     client_outputs,
     replay_greedily,
-    replay_hint,
     replay_session,
 )
+from coordinator.replay_cli import replay_hint
 from coordinator.replay_verdict import compared
 from coordinator.service import Coordinator
 from dataplane.request_ids import make_request_id
