@@ -3,8 +3,11 @@
 ``replay_session`` reads the source's input log (``dq:{p}:{src}:in``) in order,
 opens the target session (with the source's input capabilities) and appends
 each input's mode and payload; the authority stamps fresh fences, seqs and
-timestamps. Inputs go as fast as possible or at the recorded pace (the gaps
-between their ``ts_ms``, divided by a speed factor). Progress is reported
+timestamps. Each input first waits until the target has ended the answers the
+source had ended before it was recorded (``replay_wait``: a turn's answer depends
+on the answers before it, and speech over an answer is a barge-in); then it goes
+at once or at the recorded pace (the gaps between their ``ts_ms``, divided by a
+speed factor). Progress is reported
 through an injectable callback. It then waits until the target's client
 journal holds as many outputs as the source's (or stays quiet for a while
 after its last output, or a timeout passes), compares the two, and closes
@@ -29,14 +32,9 @@ greedy (a greedy replay's target) is compared directly, once.
 
 Outputs are compared as a client would have received them: a journal is
 judged like the output reader does (fence barriers, stale fences and
-duplicates dropped), and two outputs are equal when their stage, kind,
-text, data and token ids are; fences, seqs and timestamps are ignored, and
-so are the coordinator's own notices (they come from a client connection,
-which a replay does not have). A run of text or audio deltas of one stage
-under one fence counts as one output, their pieces joined (``as_read``): how
-a stream is cut into deltas depends on timing, not on the inputs (a vLLM
-stream hands over every token generated since it was last read, so a busy
-machine gives fewer, longer deltas), and a client joins them anyway.
+duplicates dropped; the coordinator's own notices left out, as a replay has no
+client connection), then compared stage by stage as ``replay_verdict`` says
+(settings and conversation records left out, streams joined as read).
 """
 
 from __future__ import annotations
