@@ -39,13 +39,27 @@ def entry_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
-def answers_before(records: Sequence[Record], ms: int, stages: Collection[str]) -> Counter[str]:
-    """Per stage of ``stages``, the answers the ``records`` had ended before ``ms``."""
-    return Counter(
-        event.stage
-        for at, event in records
-        if at < ms and event.kind is OutputKind.DONE and event.stage in stages
-    )
+class AnswerClock:
+    """The source's ends of answers (``DONE`` outputs of ``stages``) in time order, and
+    how many each stage had reached at a time: asked with times that do not go back
+    (inputs in log order), it takes each end once, so a replay stays linear."""
+
+    def __init__(self, records: Sequence[Record], stages: Collection[str]) -> None:
+        self._ends = sorted(
+            (at, event.stage)
+            for at, event in records
+            if event.kind is OutputKind.DONE and event.stage in stages
+        )
+        self._passed = 0
+        self.needed: Counter[str] = Counter()
+
+    def before(self, ms: int | None) -> Counter[str]:
+        """Per stage, the answers ended before ``ms`` (None: all of them)."""
+        ends = self._ends
+        while self._passed < len(ends) and (ms is None or ends[self._passed][0] < ms):
+            self.needed[ends[self._passed][1]] += 1
+            self._passed += 1
+        return self.needed
 
 
 def reached(ended: Counter[str], needed: Counter[str]) -> bool:
@@ -89,8 +103,7 @@ class TurnWaiter:
         self.bus = bus
         self.journal = bus.keys.session(target).client
         self.follower = _follower(target)
-        self.recorded = recorded
-        self.stages = frozenset(stages)
+        self.clock = AnswerClock(recorded, frozenset(stages))
         self.timeout_s = timeout_s
         self.ended: Counter[str] = Counter()
         self.timed_out = False
@@ -108,9 +121,8 @@ class TurnWaiter:
         return await self._until(None)
 
     async def _until(self, ms: int | None) -> bool:
-        end = self.recorded[-1][0] + 1 if self.recorded else 0
-        needed = answers_before(self.recorded, end if ms is None else ms, self.stages)
-        if self.timed_out or not needed:
+        needed = self.clock.before(ms)
+        if self.timed_out or reached(self.ended, needed):
             return not self.timed_out
         deadline = time.monotonic() + self.timeout_s
         while not reached(self.ended, needed):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 from coordinator.replay_verdict import compare_outputs, compared
-from coordinator.replay_wait import answers_before, entry_ms, reached
+from coordinator.replay_wait import AnswerClock, entry_ms, reached
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
 
@@ -92,11 +92,13 @@ def test_an_input_waits_for_the_answers_the_source_had_ended_before_it():
     records = [(1000 + i, o) for i, o in enumerate(first)]
     records += [(5000 + i, o) for i, o in enumerate(second)]
     stages = {"asr", "thinker", "tts"}
-    assert answers_before(records, 1000, stages) == Counter()
-    after_first = answers_before(records, 4000, stages)
+    clock = AnswerClock(records, stages)
+    assert clock.before(1000) == Counter()
+    after_first = Counter(clock.before(4000))
     assert after_first == Counter({"asr": 1, "thinker": 1, "tts": 1})
+    assert clock.before(None) == Counter({"asr": 2, "thinker": 2, "tts": 2})
     # A stage the target's pipeline lacks is not waited for.
-    assert answers_before(records, 4000, {"asr"}) == Counter({"asr": 1})
+    assert AnswerClock(records, {"asr"}).before(4000) == Counter({"asr": 1})
     assert not reached(Counter({"asr": 1, "thinker": 1}), after_first)
     assert reached(Counter({"asr": 2, "thinker": 1, "tts": 1}), after_first)
     assert entry_ms("1733300000123-7") == 1733300000123
