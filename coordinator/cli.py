@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator import control, replay
+from coordinator import control, replay_cli
 from coordinator.inspect import inspect_session, list_sessions, render_session
 from coordinator.local_stack import (
     STOP_WITHIN_S,
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     control.add_commands(commands)
-    replay.add_commands(commands)
+    replay_cli.add_commands(commands)
 
     sessions = commands.add_parser("sessions", help="list sessions or inspect one")
     _common(sessions)

@@ -3,8 +3,11 @@
 ``replay_session`` reads the source's input log (``dq:{p}:{src}:in``) in order,
 opens the target session (with the source's input capabilities) and appends
 each input's mode and payload; the authority stamps fresh fences, seqs and
-timestamps. Inputs go as fast as possible or at the recorded pace (the gaps
-between their ``ts_ms``, divided by a speed factor). Progress is reported
+timestamps. Each input first waits until the target has ended the answers the
+source had ended before it was recorded (``replay_wait``: a turn's answer depends
+on the answers before it, and speech over an answer is a barge-in); then it goes
+at once or at the recorded pace (the gaps between their ``ts_ms``, divided by a
+speed factor). Progress is reported
 through an injectable callback. It then waits until the target's client
 journal holds as many outputs as the source's (or stays quiet for a while
 after its last output, or a timeout passes), compares the two, and closes
@@ -29,19 +32,13 @@ greedy (a greedy replay's target) is compared directly, once.
 
 Outputs are compared as a client would have received them: a journal is
 judged like the output reader does (fence barriers, stale fences and
-duplicates dropped), and two outputs are equal when their stage, kind,
-text, data and token ids are; fences, seqs and timestamps are ignored, and
-so are the coordinator's own notices (they come from a client connection,
-which a replay does not have). A run of text or audio deltas of one stage
-under one fence counts as one output, their pieces joined (``as_read``): how
-a stream is cut into deltas depends on timing, not on the inputs (a vLLM
-stream hands over every token generated since it was last read, so a busy
-machine gives fewer, longer deltas), and a client joins them anyway.
+duplicates dropped; the coordinator's own notices left out, as a replay has no
+client connection), then compared stage by stage as ``replay_verdict`` says
+(settings and conversation records left out, streams joined as read).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -53,11 +50,23 @@ from typing import IO, Any, Literal
 import msgspec
 
 from coordinator.output_reader import JournalFollower
+from coordinator.replay_verdict import (
+    NOT_COMPARED,
+    STREAMED,
+    Comparison,
+    Mismatch,
+    as_read,
+    compare_outputs,
+    compared,
+    joins,
+    output_key,
+    summarize,
+)
+from coordinator.replay_wait import TurnWaiter, client_records
 from dataplane.authority import SessionAuthority
 from dataplane.bus import Entry, RedisBus
 from schemas.config import PipelineConfig
 from schemas.errors import (
-    DuplexqError,
     SessionExistsError,
     SessionNotFoundError,
     WireDecodeError,
@@ -73,9 +82,13 @@ from schemas.events import (
     decode_input,
 )
 from schemas.fence import Fence
-from schemas.keys import Keys
 from schemas.realtime import SessionConfig
 from schemas.session_shape import settings_from_json
+
+__all__ = [  # the comparison lives in replay_verdict; these are its names users import
+    "STREAMED", "Comparison", "Mismatch", "as_read", "compare_outputs", "joins",
+    "output_key", "summarize",
+]  # fmt: skip
 
 Pace = Literal["fast", "recorded"]
 ProgressFn = Callable[[int, int], None]
@@ -86,112 +99,6 @@ PAGE = 256
 POLL_S = 0.05
 
 # -- comparing outputs (pure) ---------------------------------------------------------
-
-
-def output_key(event: OutputEvent) -> tuple[str, str, str, bytes, tuple[int, ...], str]:
-    """What makes two outputs the same for a replay: (stage, kind, text, data, token ids,
-    and for a function call the function and the call's id)."""
-    call = ""
-    if event.kind is OutputKind.FUNCTION_CALL:
-        call = f"{event.meta.get('name', '')}:{event.meta.get('call_id', '')}"
-    return event.stage, event.kind.value, event.text, event.data, event.token_ids, call
-
-
-def summarize(event: OutputEvent | None) -> str:
-    """A short human description of one output."""
-    if event is None:
-        return "(none)"
-    text = event.text if len(event.text) <= 40 else event.text[:37] + "..."
-    return (
-        f"{event.stage}/{event.kind.value} text={text!r} data={len(event.data)}B "
-        f"tokens={len(event.token_ids)}"
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """The first position where two sessions' outputs differ."""
-
-    index: int
-    source: str
-    target: str
-
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    """How two sessions' client outputs compare."""
-
-    source_outputs: int
-    target_outputs: int
-    matched: int
-    """Leading outputs that are equal."""
-    first_mismatch: Mismatch | None
-
-    @property
-    def identical(self) -> bool:
-        return self.first_mismatch is None
-
-
-STREAMED = frozenset({OutputKind.TEXT_DELTA, OutputKind.AUDIO_DELTA})
-"""Output kinds a client joins: their cut into pieces is not part of the answer."""
-
-
-def joins(previous: OutputEvent, event: OutputEvent) -> bool:
-    """Whether ``event`` continues the stream ``previous`` is part of, as read."""
-    return (
-        event.kind in STREAMED
-        and event.kind is previous.kind
-        and event.stage == previous.stage
-        and event.fence == previous.fence
-    )
-
-
-def as_read(outputs: Sequence[OutputEvent]) -> list[OutputEvent]:
-    """``outputs`` with every run of ``STREAMED`` outputs of one stage and kind under
-    one fence joined into one (text, data and token ids concatenated; the first's
-    seq and meta kept): what a client reads, whatever the cut."""
-    joined: list[OutputEvent] = []
-    run: list[OutputEvent] = []
-
-    def close_run() -> None:
-        if len(run) == 1:
-            joined.append(run[0])
-        elif run:
-            joined.append(
-                msgspec.structs.replace(
-                    run[0],
-                    text="".join(o.text for o in run),
-                    data=b"".join(o.data for o in run),
-                    token_ids=tuple(i for o in run for i in o.token_ids),
-                )
-            )
-        run.clear()
-
-    for event in outputs:
-        if run and not joins(run[0], event):
-            close_run()
-        if event.kind in STREAMED:
-            run.append(event)
-        else:
-            joined.append(event)
-    close_run()
-    return joined
-
-
-def compare_outputs(source: Sequence[OutputEvent], target: Sequence[OutputEvent]) -> Comparison:
-    """Compare two output sequences as read (``as_read``), position by position."""
-    source, target = as_read(source), as_read(target)
-    matched = 0
-    for a, b in zip(source, target, strict=False):
-        if output_key(a) != output_key(b):
-            break
-        matched += 1
-    mismatch = None
-    if matched < max(len(source), len(target)):
-        a_out = source[matched] if matched < len(source) else None
-        b_out = target[matched] if matched < len(target) else None
-        mismatch = Mismatch(matched, summarize(a_out), summarize(b_out))
-    return Comparison(len(source), len(target), matched, mismatch)
 
 
 async def client_outputs(bus: RedisBus, session_id: str) -> list[OutputEvent]:
@@ -371,8 +278,7 @@ class ReplayReport:
         ]
         if c.first_mismatch is not None:
             m = c.first_mismatch
-            lines += [f"  first mismatch at {m.index}:", f"    {self.reference or 'source'} "
-                      f"{m.source}", f"    target {m.target}"]  # fmt: skip
+            lines += m.describe(self.reference or "source")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -461,7 +367,7 @@ async def _wait_outputs(
     follower = _follower(target)
     journal = bus.keys.session(target).client
     outputs: list[OutputEvent] = []
-    read = ended = 0  # outputs as read (``as_read``), counted as they come; answers ended
+    read = ended = 0  # outputs as compared (``compared``); answers ended
     start = "-"
     last_growth = time.monotonic()
     deadline = last_growth + timeout_s
@@ -469,12 +375,11 @@ async def _wait_outputs(
         page = await bus.xrange(journal, start, "+", count=PAGE)
         if page:
             start = "(" + page[-1].id
-            events = pipeline_outputs(follower, page)
-            for event in events:
-                read += not (outputs and joins(outputs[-1], event))
-                ended += event.kind is OutputKind.DONE
-                outputs.append(event)
+            events = [e for e in pipeline_outputs(follower, page) if e.kind not in NOT_COMPARED]
+            outputs += events
+            ended += sum(event.kind is OutputKind.DONE for event in events)
             if events:
+                read = len(compared(outputs))
                 last_growth = time.monotonic()
             continue
         now = time.monotonic()
@@ -527,10 +432,15 @@ async def replay_session(
     if (await bus.hmget(bus.keys.session(target).meta, ["status"]))[0] is not None:
         # Opening a closed id would reopen it and wipe what it recorded.
         raise SessionExistsError(f"replay target {target!r} exists; replay needs a new session id")
-    recorded = await client_outputs(bus, reference or source)
+    records = await client_records(bus, reference or source)
+    recorded = [event for _, event in records]
     source_greedy = await recorded_greedily(bus, source)
     authority = SessionAuthority(bus, pipeline)
     await _open_target(authority, bus, source, target, greedy)
+    # Each input waits for the answers the source had given before it (replay_wait).
+    source_records = records if reference is None else await client_records(bus, source)
+    turns = TurnWaiter(bus, target, source_records,
+                       [stage.name for stage in pipeline.stages], wait_timeout_s)  # fmt: skip
     done = skipped = first_seq = 0
     previous_ts: int | None = None
     async for page in _input_pages(bus, sk.input, end or "+"):
@@ -540,6 +450,7 @@ async def replay_session(
             except WireDecodeError:
                 skipped += 1
                 continue
+            await turns.before(entry.id)
             if pace == "recorded" and (delay := pace_delay(previous_ts, event.ts_ms, speed)):
                 await sleep(delay)
             previous_ts = event.ts_ms
@@ -549,14 +460,15 @@ async def replay_session(
             done += 1
             if progress is not None:
                 progress(done + skipped, total)
+    await turns.at_end()
     # A greedy replay of a sampled source answers otherwise: the source's count of
     # outputs says nothing of the target's, so the target runs until it is quiet.
     waits_quiet = greedy and reference is None and not source_greedy and bool(recorded)
-    expected = None if waits_quiet else len(as_read(recorded))
+    expected = None if waits_quiet else len(compared(recorded))
     responses = sum(o.kind is OutputKind.DONE for o in recorded) if waits_quiet else 0
     outputs, complete = await _wait_outputs(
         bus, target, expected, wait_timeout_s, quiet_s, responses=responses,
-        pieces=len(recorded),
+        pieces=sum(o.kind not in NOT_COMPARED for o in recorded),
     )  # fmt: skip
     comparison = compare_outputs(recorded, outputs)
     if close_target:
@@ -598,129 +510,3 @@ async def replay_greedily(
         progress=progress, **options,
     )  # fmt: skip
     return replace(first, again=second)
-
-
-# -- command line -------------------------------------------------------------------------
-
-
-def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``duplexq replay SOURCE TARGET [--pace fast|recorded] [--speed X]
-    [--greedy [--again ID]] ...``."""
-    from coordinator.control import add_common_options
-
-    parser = subparsers.add_parser(
-        "replay", help="replay a session's input log into a new session and compare outputs"
-    )
-    add_common_options(parser)
-    parser.add_argument("source", help="recorded session id")
-    parser.add_argument("target", help="new session id to replay into")
-    parser.add_argument("--pace", choices=("fast", "recorded"), default="fast")
-    parser.add_argument("--speed", type=float, default=1.0, help="recorded pace divided by this")
-    parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for outputs (s)")
-    parser.add_argument("--keep-open", action="store_true", help="leave the target session open")
-    parser.add_argument(
-        "--greedy", action="store_true",
-        help="model stages decode greedily (temperature 0); a sampled source is then "
-        "replayed twice and the two replays are compared",
-    )  # fmt: skip
-    parser.add_argument(
-        "--again", metavar="ID", help="second target of a --greedy replay (default TARGET.again)"
-    )
-    parser.add_argument(
-        "--enqueue", action="store_true", help="hand it to the control plane instead (arq job)"
-    )
-    parser.set_defaults(func=replay_command)
-
-
-def sampled_stages(pipeline: PipelineConfig) -> list[str]:
-    """Model stages whose answers vary from run to run: sampling (temperature above 0)
-    with no fixed seed. Their replays differ even when nothing else does."""
-    found = []
-    for stage in pipeline.stages:
-        if stage.backend not in ("vllm", "minicpmo", "mage_vl"):
-            continue
-        temperature = float(stage.options.get("temperature", 0.7))
-        if temperature > 0 and stage.options.get("seed") is None:
-            found.append(f"{stage.name} (temperature {temperature:g}, no seed)")
-    return found
-
-
-def sampling_hint(pipeline: PipelineConfig) -> str | None:
-    """Why a replay of ``pipeline`` may differ although nothing is wrong, if it may."""
-    sampled = sampled_stages(pipeline)
-    if not sampled:
-        return None
-    return (
-        f"  note: {', '.join(sampled)} samples its answers, so they differ from run to run; "
-        "replay with --greedy to check that the pipeline reproduces itself, or serve it "
-        "greedily (temperature = 0) or with a fixed seed (see docs/models.md)"
-    )
-
-
-GREEDY_HINT = (
-    "  note: two greedy replays differ: a stage answers differently to the same inputs "
-    "even greedily (a backend that does not decode greedily, a seedless random choice, "
-    "or numerics that vary with the batch)"
-)
-
-
-def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
-    """What to say under a DIFFERENT verdict."""
-    if report.identical:
-        return None
-    return GREEDY_HINT if report.greedy else sampling_hint(pipeline)
-
-
-def replay_command(args: argparse.Namespace) -> int:
-    """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
-    they differ, 2 when the replay could not run."""
-    from coordinator.stack_state import settings_for
-    from dataplane.config import load_pipeline_for
-    from dataplane.redis_config import check_at_start
-
-    if args.again and not args.greedy:
-        print("duplexq replay: error: --again names the second target of a --greedy replay",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    settings = settings_for(args, "replay")
-    pipeline = load_pipeline_for(settings, args.pipeline)
-    # A replay writes a session: not into a Redis that cannot keep it (RedisRefused).
-    asyncio.run(check_at_start(settings))
-    if args.enqueue:
-        from coordinator.control import enqueue_replay
-
-        queued = asyncio.run(
-            enqueue_replay(
-                settings, args.source, args.target, pace=args.pace, speed=args.speed,
-                pipeline=pipeline if args.pipeline else None, greedy=args.greedy,
-                again=args.again,
-            )
-        )  # fmt: skip
-        print("replay queued" if queued else "replay already requested")
-        return 0
-
-    async def run() -> ReplayReport:
-        bus = RedisBus(settings.redis_url, Keys(settings.key_prefix))
-        options: dict[str, Any] = dict(
-            pace=args.pace, speed=args.speed, progress=ProgressPrinter(),
-            wait_timeout_s=args.timeout, close_target=not args.keep_open,
-            closed_ttl_s=settings.closed_ttl_s,
-        )  # fmt: skip
-        try:
-            if args.greedy:
-                return await replay_greedily(
-                    bus, pipeline, args.source, args.target, again=args.again, **options
-                )
-            return await replay_session(bus, pipeline, args.source, args.target, **options)
-        finally:
-            await bus.aclose()
-
-    try:
-        report = asyncio.run(run())
-    except DuplexqError as exc:
-        print(f"replay failed: {exc.message}", file=sys.stderr)
-        return 2
-    print(report.summary())
-    if (hint := replay_hint(report, pipeline)) is not None:
-        print(hint)
-    return 0 if report.identical else 1

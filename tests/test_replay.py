@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import io
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -18,12 +19,10 @@ from coordinator.control import (
 )
 from coordinator.output_reader import JournalFollower
 from coordinator.replay import (
-    GREEDY_HINT,
     Comparison,
     Mismatch,
     ProgressPrinter,
     ReplayReport,
-    add_commands,
     as_read,
     client_outputs,
     compare_outputs,
@@ -32,9 +31,9 @@ from coordinator.replay import (
     pipeline_outputs,
     progress_bar,
     replay_greedily,
-    replay_hint,
     replay_session,
 )
+from coordinator.replay_cli import GREEDY_HINT, add_commands, replay_hint
 from coordinator.service import Coordinator
 from dataplane.bus import Entry
 from schemas.config import echo_pipeline
@@ -92,7 +91,8 @@ def test_compare_outputs_ignores_fences_and_seqs():
     [
         ([_said("x"), _said("z")], 1, "'z'"),
         ([_said("x")], 1, "(none)"),  # target stopped short
-        ([_said("x"), _said("y", stage="tts")], 1, "tts/"),
+        # Another stage's output in its place: echo's 'y' is the record missing first.
+        ([_said("x"), _said("y", stage="tts")], 1, "(none)"),
         ([_said("x"), _said("y", data=b"1")], 1, "data=1B"),
         ([_said("x"), _out("y", kind=OutputKind.DONE)], 1, "echo/done"),
         ([_said("x"), _said("y"), _said("extra")], 2, "'extra'"),
@@ -102,6 +102,7 @@ def test_compare_outputs_finds_the_first_mismatch(b, index, target):
     result = compare_outputs([_said("x"), _said("y")], b)
     assert not result.identical
     assert result.first_mismatch.index == index == result.matched
+    assert result.first_mismatch.stage == "echo"
     assert target in result.first_mismatch.target
 
 
@@ -225,8 +226,9 @@ def test_again_names_the_second_target_of_a_greedy_replay_only(capsys):
     assert "--again names the second target of a --greedy replay" in capsys.readouterr().err
 
 
-def _report(source_out, target_out, *, matched, target="t", **fields):
-    mismatch = None if matched == max(source_out, target_out) else Mismatch(matched, "x", "y")
+def _report(source_out, target_out, *, matched, target="t", stage="echo", **fields):
+    mismatch = (None if matched == max(source_out, target_out)
+                else Mismatch(matched, "x", "y", stage, "text_delta"))  # fmt: skip
     comparison = Comparison(source_out, target_out, matched, mismatch)
     return ReplayReport(source="s", target=target, pipeline="chat", pace="fast", speed=1.0,
                         inputs=4, skipped=0, first_seq=1, complete=True,
@@ -251,7 +253,8 @@ def test_a_greedy_replay_of_a_sampled_source_is_judged_by_its_second_replay():
     assert not differs.identical
     assert "greedy replays DIFFERENT" in differs.summary()
     assert "first mismatch at 2:" in differs.summary() and "      t x" in differs.summary()
-    assert replay_hint(differs, ECHO) == GREEDY_HINT
+    # The echo stage does not sample: the note says so, not that a model sampled.
+    assert "stage echo's, which does not sample" in replay_hint(differs, ECHO)
 
     # A greedy source (a greedy replay's target) is compared directly, once.
     direct = _report(3, 3, matched=3, greedy=True, source_greedy=True)
@@ -354,9 +357,11 @@ async def test_replay_into_a_different_pipeline_reports_the_mismatch(settings, c
     assert not report.identical
     mismatch = report.comparison.first_mismatch
     assert mismatch.index == 0 and report.comparison.matched == 0
+    # Stage by stage: the first record that differs is echo's answer, missing in the target.
+    assert (mismatch.stage, mismatch.kind) == ("echo", "text_delta")
     assert "echo/text_delta text='hello-0hello-1" in mismatch.source
-    assert "shout/text_delta text='hello-0hello-1" in mismatch.target
-    assert "first mismatch at 0" in report.summary()
+    assert mismatch.target == "(none)"
+    assert "first mismatch at 0: text_delta output #0 of stage echo" in report.summary()
     again = await compare_sessions(bus, "src", "shouted")
     assert again.first_mismatch.index == 0 and again.target_outputs == 2
 
@@ -420,7 +425,7 @@ async def test_replay_job_runs_once_on_the_control_plane(settings, coordinator):
 
 
 def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
-    from coordinator.replay import sampled_stages, sampling_hint
+    from coordinator.replay_cli import sampled_stages, sampling_hint
     from schemas.config import load_pipeline
     from tests.processes import ROOT
 
@@ -429,9 +434,18 @@ def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
     hint = sampling_hint(shipped)
     assert hint is not None and "temperature = 0" in hint and "fixed seed" in hint
     assert "replay with --greedy to check that the pipeline reproduces itself" in hint
-    sampled = _report(3, 3, matched=1)
-    assert replay_hint(sampled, shipped) == hint  # a plain replay that differs
+    sampled = _report(3, 3, matched=1, stage="thinker")
+    assert replay_hint(sampled, shipped) == hint  # a plain replay that differs at the thinker
     assert replay_hint(_report(3, 3, matched=3), shipped) is None
+    # Sampling is blamed only when the first difference is the sampling stage's, and only
+    # for a plain replay: speech recognition does not sample, a greedy thinker does not.
+    heard = replay_hint(_report(3, 3, matched=1, stage="asr"), shipped)
+    assert heard is not None and "stage asr's, which does not sample" in heard
+    assert "temperature" not in heard
+    greedy_thinker = _report(3, 3, matched=1, stage="thinker", greedy=True, source_greedy=True)
+    assert replay_hint(greedy_thinker, shipped) == f"{GREEDY_HINT}; here the model stage thinker"
+    late = replay_hint(replace(_report(3, 3, matched=3), complete=False), shipped)
+    assert late is not None and "had not given them all" in late
     greedy = [
         s.model_copy(update={"options": {**s.options, "temperature": 0.0}}) for s in shipped.stages
     ]

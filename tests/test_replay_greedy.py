@@ -17,12 +17,12 @@ import pytest
 import pytest_asyncio
 
 from coordinator.replay import (
-    as_read,
     client_outputs,
     replay_greedily,
-    replay_hint,
     replay_session,
 )
+from coordinator.replay_cli import replay_hint
+from coordinator.replay_verdict import compared
 from coordinator.service import Coordinator
 from dataplane.request_ids import make_request_id
 from schemas.events import OutputKind, SettingsPayload, TextPayload
@@ -154,8 +154,8 @@ async def test_a_sampled_session_replayed_greedily_twice_gives_identical_outputs
             assert report.identical and report.again.matches, report.summary()
             assert "greedy replays identical" in report.summary()
             # As read: how an answer is cut into deltas depends on the machine's load.
-            first = as_read(await client_outputs(bus, "greedy"))
-            second = as_read(await client_outputs(bus, "greedy.again"))
+            first = compared(await client_outputs(bus, "greedy"))
+            second = compared(await client_outputs(bus, "greedy.again"))
             assert len(first) == len(second) == report.again.comparison.matched >= 4
             assert _texts(first) == _texts(second) and all(_texts(first))
             assert [o.token_ids for o in first] == [o.token_ids for o in second]
