@@ -117,6 +117,40 @@ async def test_stream_reads_on_a_cluster_go_to_their_node_without_asking_for_key
         await bus.aclose()
 
 
+async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(redis_cluster):
+    """Calls made together are sent to each primary as one batch closed by one ``WAIT 1``
+    (``dataplane.replicated``): a round trip and a replica acknowledgement per primary,
+    not per call. Each call still gets its own reply, an error reply only its own."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        incr = bus.register("return redis.call('INCR', KEYS[1])")
+        refuse = bus.register("return redis.error_reply('refused ' .. KEYS[1])")
+        names = [f"{{batched-{i}}}n" for i in range(40)]
+        # First calls: each node is refused them (NOSCRIPT), loads the script and runs
+        # them again.
+        first = await asyncio.gather(
+            *(bus.run(incr, [k], []) for k in names),
+            *(bus.run(refuse, [k], []) for k in names),
+            return_exceptions=True,
+        )
+        assert first[:40] == [[1]] * 40
+        assert all(isinstance(reply, redis.ResponseError) for reply in first[40:])
+        _reset_command_calls(redis_cluster)
+        replies = await asyncio.gather(
+            *(bus.run(incr, [k], []) for k in names),
+            bus.run(refuse, ["{batched-0}x"], []),
+            return_exceptions=True,
+        )
+        assert replies[:-1] == [[2]] * 40
+        assert isinstance(replies[-1], redis.ResponseError)
+        assert "refused {batched-0}x" in str(replies[-1])
+        calls = _command_calls(redis_cluster)
+        assert calls["cmdstat_evalsha"] == 41
+        assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
+    finally:
+        await bus.aclose()
+
+
 async def test_a_client_whose_last_refresh_failed_still_closes_every_connection(
     redis_cluster,
 ):
