@@ -249,6 +249,8 @@ class RedisBus:
         self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)
         self.set_durable_script = self._register(scripts.SET_DURABLE)
         self.rescore_script = self._register(scripts.RESCORE)
+        if self._replicated is not None:
+            self._replicated.no_wait(self.renew_script)
 
     def _register(self, body: str) -> Any:
         flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only

@@ -17,6 +17,13 @@ given before it came (``tests/test_cluster.py`` counts the round trips). As on
 one Redis (``dataplane.batching``), calls in one batch are independent: a
 producer waits for a call's reply before it makes the next on that session.
 
+A lease renewal is the exception (``ReplicatedRunner.no_wait``): it is answered
+once its primary ran it, without ``WAIT``. Lost with its primary, a renewal only
+shortens its lease on the promoted replica (the session may move to another
+worker, and its old owner's publishes are refused); waiting for a slow replica, it
+kept the next renewal of its lease from being sent, and a lease lapsed although
+every renewal of it succeeded (``tests/test_heartbeat.py``).
+
 A primary that has no replica (its replica failed, or it is a promoted replica
 whose old primary has not rejoined) cannot get a replica's acknowledgement;
 it serves on, acknowledging on its own, until a replica rejoins: a second
@@ -77,6 +84,18 @@ class ReplicatedRunner:
         self._pending: list[Call] = []
         """Calls made in this turn of the event loop, sent at its end."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self.unacknowledged: set[str] = set()
+        """Shas of the scripts whose replies do not wait for a replica (``no_wait``)."""
+
+    def no_wait(self, script: Any) -> None:
+        """Answer ``script``'s calls once the primary ran them, without ``WAIT``: for lease
+        renewals. A renewal lost with its primary only shortens the lease on the promoted
+        replica (the session may move; the old owner's publishes are refused), while a
+        renewal that waited for a slow replica kept the next one of its lease from being
+        sent (one renewal of a lease in flight at a time: ``workers.heartbeat``), and a
+        lease whose TTL is under a WAIT's timeout lapsed although every renewal of it
+        succeeded (``tests/test_heartbeat.py``)."""
+        self.unacknowledged.add(script.sha)
 
     async def run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run ``script``; its reply comes once a replica has the writes of its batch."""
@@ -101,7 +120,7 @@ class ReplicatedRunner:
     async def _send_all(self, calls: list[Call]) -> None:
         """Send each node its calls, ``MAX_BATCH`` at most a round trip; a call whose
         node is not known now (the slot map is being learnt again) goes on its own."""
-        batches: dict[str, tuple[Any, list[Call]]] = {}
+        batches: dict[tuple[str, bool], tuple[Any, list[Call]]] = {}
         alone: list[Call] = []
         for call in calls:
             try:
@@ -112,7 +131,9 @@ class ReplicatedRunner:
             except Exception as exc:  # anything else reaches its caller, as it always did
                 settle(call, exc)
                 continue
-            batches.setdefault(node.name, (node, []))[1].append(call)
+            # Calls that wait for a replica and calls that do not go in batches apart.
+            key = (node.name, call.script.sha in self.unacknowledged)
+            batches.setdefault(key, (node, []))[1].append(call)
         sends = [self._alone(call) for call in alone]
         for node, group in batches.values():
             sends += (self._batch(node, group[i : i + MAX_BATCH])
@@ -179,12 +200,13 @@ class ReplicatedRunner:
             await self.cluster.refresh()
 
     async def _once(self, node: Any, calls: list[Call]) -> list[Any]:
-        """Send ``calls`` to ``node`` and, where it has a replica, ``WAIT 1`` after them;
-        each call's reply (an error reply as its exception, not raised)."""
+        """Send ``calls`` to ``node`` and, where it has a replica and they are not
+        ``no_wait`` calls, ``WAIT 1`` after them; each call's reply (an error reply as its
+        exception, not raised)."""
+        if calls[0].script.sha in self.unacknowledged:  # a batch holds one kind of call
+            return await self._send(node, [_evalsha(c) for c in calls], raise_on_error=False)
         replicas = await self._replica_count(node)
-        commands: list[tuple[Any, ...]] = [
-            ("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls
-        ]
+        commands = [_evalsha(c) for c in calls]
         if replicas:
             commands.append(("WAIT", 1, self.wait_ms))
         replies = await self._send(node, commands, raise_on_error=False)
@@ -234,3 +256,7 @@ class ReplicatedRunner:
                 count = int(line.split(":", 1)[1])
         self._replicas[node.name] = (now, count)
         return count
+
+
+def _evalsha(call: Call) -> tuple[Any, ...]:
+    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
