@@ -4,11 +4,12 @@
 section 3) on the section's single Redis, then on a private Redis Cluster of 3
 primaries with a replica each (six redis-server processes, with the shipped
 persistence as every benchmark Redis). On the cluster every script is
-acknowledged once a replica has its writes (``WAIT 1``, ``dataplane/replicated.py``) and reads
-are split per slot: the figure is what those cost, and the CPU of all six nodes
-is counted. On a 2-core machine more primaries cannot add capacity (they share
-the same cores as everything else); what a cluster buys is room beyond one
-Redis core on a bigger machine, and survival of a node's loss.
+acknowledged once a replica has its writes (each primary's batch of scripts
+closed by one ``WAIT 1``, ``dataplane/replicated.py``) and reads are split per
+slot: the figure is what those cost, and the CPU of all six nodes is counted. On
+a 2-core machine more primaries cannot add capacity (they share the same cores
+as everything else); what a cluster buys is room beyond one Redis core on a
+bigger machine, and survival of a node's loss.
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ def section(s: dict[str, Any] | None) -> str:
     out.append(
         "One echo worker driven to saturation (as section 3) on one Redis, then on a private\n"
         "Redis Cluster of 3 primaries with a replica each. On the cluster every script waits\n"
-        "for a replica's acknowledgement (`WAIT 1`) and reads are split per slot; CPU counts\n"
-        "all six nodes. On this machine the nodes share its cores with everything else, so\n"
+        "for a replica's acknowledgement (one `WAIT 1` closes each primary's batch of\n"
+        "scripts) and reads are split per slot; CPU counts all six nodes. On this machine\n"
+        "the nodes share its cores with everything else, so\n"
         "more primaries cannot add capacity here; on a machine with a core per node the data\n"
         "plane's Redis work spreads over the primaries instead of one core.\n"
     )

@@ -132,12 +132,14 @@ def multi_script(script: str) -> Multi:
     return Multi(flags + text + loop)
 
 
-_Started = tuple[dict[str, list["_Call"]], int, Any]
+_Started = tuple[dict[str, list["Call"]], int, Any]
 """A batch being sent: its calls grouped by script, the SCRIPT LOADs ahead of its
 replies, and what ``Pipe.start`` returned for it."""
 
 
-class _Call:
+class Call:
+    """A script call waiting for its batch: what to run and where its reply goes."""
+
     __slots__ = ("args", "future", "keys", "script")
 
     def __init__(
@@ -149,7 +151,7 @@ class _Call:
         self.future = future
 
 
-def _settle(call: _Call, outcome: Any) -> None:
+def settle(call: Call, outcome: Any) -> None:
     """Answer a call (an exception is raised to its caller), unless its caller gave up."""
     if call.future.done():
         return
@@ -204,7 +206,7 @@ class ScriptBatcher:
         """A batch this big is sent at once instead of at the end of the turn (0: never)."""
         self._pacer = Pacer(linger_ms)
         """A batch that would follow the previous one within the linger waits for it."""
-        self._pending: list[_Call] = []
+        self._pending: list[Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._multis: dict[str, Multi] = {}
         """Each script's multi form, by the script's sha."""
@@ -214,7 +216,7 @@ class ScriptBatcher:
         # The loop is looked up once per call: on Python 3.11 each lookup is a getpid()
         # system call (the running loop is checked against the process).
         loop = asyncio.get_running_loop()
-        call = _Call(script, keys, args, loop.create_future())
+        call = Call(script, keys, args, loop.create_future())
         if not self._pending:
             wait = self._pacer.due_in()
             if wait > 0:
@@ -239,13 +241,13 @@ class ScriptBatcher:
                 first = self._start(calls)
             except Exception as exc:  # its callers hear of it; the batcher goes on
                 for call in calls:
-                    _settle(call, exc)
+                    settle(call, exc)
                 continue
             task = asyncio.create_task(self._send(calls, first))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, calls: list[_Call], first: _Started) -> None:
+    async def _send(self, calls: list[Call], first: _Started) -> None:
         try:
             todo = await self._finish(first)
             for _ in range(2):  # refused with NOSCRIPT: load the scripts and send again
@@ -254,23 +256,23 @@ class ScriptBatcher:
                 await self._load({id(c.script): c.script for c in todo}.values())
                 todo = await self._finish(self._start(todo))
             for call in todo:
-                _settle(call, NoScriptError("the script cache keeps losing scripts"))
+                settle(call, NoScriptError("the script cache keeps losing scripts"))
         except BaseException as exc:
             for call in calls:
-                _settle(call, exc)
+                settle(call, exc)
             if not isinstance(exc, Exception):
                 raise
 
-    async def _finish(self, started: _Started) -> list[_Call]:
+    async def _finish(self, started: _Started) -> list[Call]:
         """Wait for a started batch's replies; settle its calls; return those refused with
         NOSCRIPT."""
         groups, loads, began = started
         return self._settle_groups(groups, (await self.pipe.replies(began))[loads:])
 
-    def _start(self, calls: list[_Call]) -> _Started:
+    def _start(self, calls: list[Call]) -> _Started:
         """Start sending ``calls``: their groups by script, how many SCRIPT LOADs lead the
         replies, and what the pipe began."""
-        groups: dict[str, list[_Call]] = {}
+        groups: dict[str, list[Call]] = {}
         for call in calls:
             groups.setdefault(call.script.sha, []).append(call)
         commands = [self._command(group) for group in groups.values()]
@@ -281,23 +283,23 @@ class ScriptBatcher:
             multi.sent = True
         return groups, len(loads), self.pipe.start(loads + commands)
 
-    def _settle_groups(self, groups: dict[str, list[_Call]], replies: list[Any]) -> list[_Call]:
+    def _settle_groups(self, groups: dict[str, list[Call]], replies: list[Any]) -> list[Call]:
         """Settle each group's calls with its reply; return those refused with NOSCRIPT."""
-        missing: list[_Call] = []
+        missing: list[Call] = []
         for group, reply in zip(groups.values(), replies, strict=True):
             if isinstance(reply, NoScriptError):
                 missing += group
             elif len(group) == 1:
-                _settle(group[0], reply)
+                settle(group[0], reply)
             elif isinstance(reply, BaseException):
                 for call in group:
-                    _settle(call, reply)
+                    settle(call, reply)
             else:
                 for call, each in zip(group, reply, strict=True):
-                    _settle(call, each)
+                    settle(call, each)
         return missing
 
-    def _command(self, group: list[_Call]) -> tuple[Any, ...]:
+    def _command(self, group: list[Call]) -> tuple[Any, ...]:
         """One EVALSHA for ``group``, calls of one script: the script itself for a lone
         call, its multi form for several."""
         if len(group) == 1:

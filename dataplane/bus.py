@@ -49,6 +49,7 @@ from dataplane.batching import RedisPyPipe, ScriptBatcher, split_flags
 from dataplane.cluster import cluster_client
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
+from dataplane.node_lanes import NodeLanes
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
@@ -223,6 +224,12 @@ class RedisBus:
         a batch that big goes at once, the rest of the turn's calls in the next)."""
         self._replicated = ReplicatedRunner(self.client) if self.cluster else None
         """On a cluster, scripts are acknowledged once a replica has their writes."""
+        self._node_lanes = (
+            NodeLanes(self.client, timeout_s=command_timeout,
+                      connect_timeout_s=self._connect_timeout)
+            if url.startswith("redis+cluster://") else None
+        )  # fmt: skip
+        """On a plain-TCP cluster, reads of many streams go over a lane per node."""
         self.open_script = self._register(scripts.OPEN)
         self.append_script = self._register(scripts.APPEND)
         self.accept_script = self._register(scripts.ACCEPT)
@@ -242,6 +249,8 @@ class RedisBus:
         self.expire_closed_script = self._register(scripts.EXPIRE_CLOSED)
         self.set_durable_script = self._register(scripts.SET_DURABLE)
         self.rescore_script = self._register(scripts.RESCORE)
+        if self._replicated is not None:
+            self._replicated.no_wait(self.renew_script)
 
     def _register(self, body: str) -> Any:
         flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only
@@ -285,6 +294,8 @@ class RedisBus:
         self._readers.clear()
         if self.lane is not None:
             await self.lane.aclose()
+        if self._node_lanes is not None:
+            await self._node_lanes.aclose()
         await self.client.aclose()
 
     async def ping(self) -> bool:
@@ -370,9 +381,15 @@ class RedisBus:
         return parse_read_reply(reply)
 
     async def xread_now(self, streams: Mapping[str, str], count: int) -> list[Entry]:
-        """Read many streams without blocking, one XREAD per cluster slot."""
+        """Read many streams without blocking: one XREAD on one Redis; on a cluster one
+        XREAD per slot, a round trip per node (``dataplane.node_lanes``)."""
         if self.lane is not None:
             return await self.xread(self.lane, streams, count, None)
+        if self._node_lanes is not None and streams:
+            return await self._node_lanes.read_now(
+                streams, count, parse_raw_read_reply,
+                lambda group: self.xread(self.client, group, count, None),
+            )  # fmt: skip
         groups = self.slot_groups(streams)
         if len(groups) == 1:
             return await self.xread(self.client, streams, count, None)

@@ -147,7 +147,9 @@ def _read_error(future: asyncio.Future[list[Any]]) -> None:
 class Lane:
     """One pipelined connection to the Redis of a ``redis://`` URL."""
 
-    def __init__(self, url: str, *, timeout_s: float, connect_timeout_s: float) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float, connect_timeout_s: float, retries: int = RETRIES
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "redis":
             raise ValueError(f"a lane speaks plain TCP only, not {parts.scheme}://")
@@ -160,6 +162,9 @@ class Lane:
         self.where = f"{self.host}:{self.port}"
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        """Attempts after the first one of a batch lost with its connection (0: a lane to
+        a cluster node, whose loss its caller meets by learning the slot map again)."""
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
@@ -226,7 +231,7 @@ class Lane:
                     self._down_since = time.monotonic()
                     log.warning("Redis at %s: %s; retrying", self.where, exc)
                 failures += 1
-                if failures > RETRIES or self._closed:
+                if failures > self.retries or self._closed:
                     raise
                 await asyncio.sleep(backoff.compute(failures))
 

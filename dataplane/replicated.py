@@ -9,6 +9,21 @@ writes too. What an acknowledged write survives, then: the loss of any one
 node (``tests/test_cluster.py`` kills a primary with SIGKILL while clients
 append and checks every acknowledged input).
 
+Script calls made in the same turn of the event loop are grouped by the node
+serving their slot and sent to each node in one round trip, closed by one
+``WAIT 1``: WAIT answers for every write made before it on its connection, so
+one replica acknowledgement covers the whole batch, and no call's reply is
+given before it came (``tests/test_cluster.py`` counts the round trips). As on
+one Redis (``dataplane.batching``), calls in one batch are independent: a
+producer waits for a call's reply before it makes the next on that session.
+
+A lease renewal is the exception (``ReplicatedRunner.no_wait``): it is answered
+once its primary ran it, without ``WAIT``. Lost with its primary, a renewal only
+shortens its lease on the promoted replica (the session may move to another
+worker, and its old owner's publishes are refused); waiting for a slow replica, it
+kept the next renewal of its lease from being sent, and a lease lapsed although
+every renewal of it succeeded (``tests/test_heartbeat.py``).
+
 A primary that has no replica (its replica failed, or it is a promoted replica
 whose old primary has not rejoined) cannot get a replica's acknowledgement;
 it serves on, acknowledging on its own, until a replica rejoins: a second
@@ -19,9 +34,9 @@ A failover error (``dataplane.cluster.FAILOVER_ERRORS``: a dead node,
 ``CLUSTERDOWN``...), a redirection (``MOVED``, ``ASK``, ``READONLY`` from a
 demoted primary) or a missing replica acknowledgement is retried, after the slot
 map is learnt again, with backoff for up to ``dataplane.cluster.RETRY_S``: the
-same call is sent again, and a script that had landed recognises the repeat
-(``dataplane.scripts``), so a caller never sees an error for a write that may
-have landed while a retry could still tell.
+same call is sent again (on its own, out of its batch), and a script that had
+landed recognises the repeat (``dataplane.scripts``), so a caller never sees an
+error for a write that may have landed while a retry could still tell.
 
 A node at its ``maxmemory`` refuses a script's first write and the script writes
 nothing: that is raised at once as ``RedisFullError`` (``dataplane.full``), not retried.
@@ -30,11 +45,13 @@ nothing: that is raised at once as ``RedisFullError`` (``dataplane.full``), not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
+from dataplane.batching import MAX_BATCH, Call, settle
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S
 from dataplane.full import full_error, refused_for_memory
 from dataplane.metrics import UNREPLICATED_WRITES
@@ -64,64 +81,166 @@ class ReplicatedRunner:
         self.wait_ms = wait_ms
         self._replicas: dict[str, tuple[float, int]] = {}
         """Node name -> (when asked, connected replicas)."""
+        self._pending: list[Call] = []
+        """Calls made in this turn of the event loop, sent at its end."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.unacknowledged: set[str] = set()
+        """Shas of the scripts whose replies do not wait for a replica (``no_wait``)."""
+
+    def no_wait(self, script: Any) -> None:
+        """Answer ``script``'s calls once the primary ran them, without ``WAIT``: for lease
+        renewals. A renewal lost with its primary only shortens the lease on the promoted
+        replica (the session may move; the old owner's publishes are refused), while a
+        renewal that waited for a slow replica kept the next one of its lease from being
+        sent (one renewal of a lease in flight at a time: ``workers.heartbeat``), and a
+        lease whose TTL is under a WAIT's timeout lapsed although every renewal of it
+        succeeded (``tests/test_heartbeat.py``)."""
+        self.unacknowledged.add(script.sha)
 
     async def run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script``; its reply comes once a replica has the writes of its batch."""
+        loop = asyncio.get_running_loop()
+        call = Call(script, keys, args, loop.create_future())
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append(call)
+        try:
+            return await call.future
+        except ResponseError as exc:
+            if refused_for_memory(exc):
+                raise full_error(exc) from exc
+            raise
+
+    def _flush(self) -> None:
+        calls, self._pending = self._pending, []
+        task = asyncio.create_task(self._send_all(calls))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_all(self, calls: list[Call]) -> None:
+        """Send each node its calls, ``MAX_BATCH`` at most a round trip; a call whose
+        node is not known now (the slot map is being learnt again) goes on its own."""
+        batches: dict[tuple[str, bool], tuple[Any, list[Call]]] = {}
+        alone: list[Call] = []
+        for call in calls:
+            try:
+                node = self.cluster.get_node_from_key(call.keys[0])
+            except RETRIED:
+                alone.append(call)
+                continue
+            except Exception as exc:  # anything else reaches its caller, as it always did
+                settle(call, exc)
+                continue
+            # Calls that wait for a replica and calls that do not go in batches apart.
+            key = (node.name, call.script.sha in self.unacknowledged)
+            batches.setdefault(key, (node, []))[1].append(call)
+        sends = [self._alone(call) for call in alone]
+        for node, group in batches.values():
+            sends += (self._batch(node, group[i : i + MAX_BATCH])
+                      for i in range(0, len(group), MAX_BATCH))  # fmt: skip
+        try:
+            await asyncio.gather(*sends)
+        except BaseException as exc:  # cancelled (shutdown): no caller is left waiting
+            for call in calls:
+                settle(call, exc)
+            raise
+
+    async def _batch(self, node: Any, calls: list[Call]) -> None:
+        """Send ``calls`` to ``node`` in one round trip; those that must be retried (a
+        failover, a redirection, a lost script, no replica acknowledgement) are retried
+        one by one."""
+        try:
+            replies = await self._once(node, calls)
+        except RETRIED:
+            replies = [None] * len(calls)  # every call is sent again on its own
+        except Exception as exc:
+            for call in calls:
+                settle(call, exc)
+            return
+        retry: list[Call] = []
+        lost: dict[str, str] = {}  # scripts the node did not have, by sha
+        for call, reply in zip(calls, replies, strict=True):
+            if isinstance(reply, NoScriptError):
+                lost[call.script.sha] = call.script.script
+            if reply is None or isinstance(reply, (NoScriptError, *RETRIED)):
+                retry.append(call)
+            else:
+                settle(call, reply)
+        if lost:
+            with contextlib.suppress(*RETRIED):  # the retries below meet it again
+                await self._send(node, [("SCRIPT", "LOAD", text) for text in lost.values()])
+        if retry:
+            await asyncio.gather(*(self._alone(call) for call in retry))
+
+    async def _alone(self, call: Call) -> None:
+        """Send one call until it is answered, through a failover for up to ``RETRY_S``."""
         deadline = time.monotonic() + RETRY_S
         delay = 0.02
         while True:
             try:
-                return await self._once(script, keys, args)
-            except RETRIED:
+                node = self.cluster.get_node_from_key(call.keys[0])
+                reply = (await self._once(node, [call]))[0]
+                if isinstance(reply, NoScriptError):  # Redis lost its scripts: load, resend
+                    await self._send(node, [("SCRIPT", "LOAD", call.script.script)])
+                    reply = (await self._once(node, [call]))[0]
+                if isinstance(reply, RETRIED):
+                    raise reply
+            except RETRIED as exc:
                 if time.monotonic() + delay > deadline:
-                    raise
-            except ResponseError as exc:
-                if refused_for_memory(exc):
-                    raise full_error(exc) from exc
-                raise
+                    settle(call, exc)
+                    return
+            except Exception as exc:
+                settle(call, exc)
+                return
+            else:
+                settle(call, reply)
+                return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
             await self.cluster.refresh()
 
-    async def _once(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        node = self.cluster.get_node_from_key(keys[0])
+    async def _once(self, node: Any, calls: list[Call]) -> list[Any]:
+        """Send ``calls`` to ``node`` and, where it has a replica and they are not
+        ``no_wait`` calls, ``WAIT 1`` after them; each call's reply (an error reply as its
+        exception, not raised)."""
+        if calls[0].script.sha in self.unacknowledged:  # a batch holds one kind of call
+            return await self._send(node, [_evalsha(c) for c in calls], raise_on_error=False)
         replicas = await self._replica_count(node)
-        call = ("EVALSHA", script.sha, len(keys), *keys, *args)
-        commands: list[tuple[Any, ...]] = [call]
+        commands = [_evalsha(c) for c in calls]
         if replicas:
             commands.append(("WAIT", 1, self.wait_ms))
-        try:
-            replies = await self._send(node, commands)
-        except NoScriptError:
-            loaded = await self._send(node, [("SCRIPT", "LOAD", script.script), *commands])
-            replies = loaded[1:]
+        replies = await self._send(node, commands, raise_on_error=False)
         if not replicas:
-            UNREPLICATED_WRITES.inc()
-        elif int(replies[1]) < 1:
+            UNREPLICATED_WRITES.inc(len(calls))
+        elif isinstance(replies[-1], BaseException) or int(replies[-1]) < 1:
             self._replicas.pop(node.name, None)  # ask again next time
             raise NotReplicatedError(f"no replica of {node.name} acknowledged in time")
-        return replies[0]
+        return replies[: len(calls)]
 
-    async def _send(self, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def _send(
+        self, node: Any, commands: list[tuple[Any, ...]], *, raise_on_error: bool = True
+    ) -> list[Any]:
         """Send ``commands`` on one connection in one round trip; read every reply
-        (keeping the connection in step) and raise the first error."""
+        (keeping the connection in step). An error reply is raised (the first one), or
+        with ``raise_on_error=False`` left in its place."""
         conn = node.acquire_connection()
         try:
             await conn.send_packed_command(conn.pack_commands(commands))
             replies: list[Any] = []
-            error: Exception | None = None
             for _ in commands:
                 try:
                     replies.append(await conn.read_response())
                 except ResponseError as exc:
-                    error = error or exc
-                    replies.append(None)
+                    replies.append(exc)
         except BaseException:
             await conn.disconnect()
             raise
         finally:
             node._free.append(conn)  # back to the node's pool of free connections
-        if error is not None:
-            raise error
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, ResponseError):
+                    raise reply
         return replies
 
     async def _replica_count(self, node: Any) -> int:
@@ -137,3 +256,7 @@ class ReplicatedRunner:
                 count = int(line.split(":", 1)[1])
         self._replicas[node.name] = (now, count)
         return count
+
+
+def _evalsha(call: Call) -> tuple[Any, ...]:
+    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)

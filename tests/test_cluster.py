@@ -117,6 +117,89 @@ async def test_stream_reads_on_a_cluster_go_to_their_node_without_asking_for_key
         await bus.aclose()
 
 
+async def test_reads_of_many_streams_go_to_each_primary_as_one_xread_per_slot(redis_cluster):
+    """``RedisBus.xread_now`` on a cluster reads each slot's streams with one XREAD, sent
+    over a lane per primary (``dataplane.node_lanes``): no slot lookup (``COMMAND
+    GETKEYS``, ``CLUSTER SLOTS``), whichever primary serves them."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        streams = [f"{{lanes-{i}}}s" for i in range(30)]
+        for stream in streams:
+            await bus.client.xadd(stream, {"f": stream})
+        assert len({redis_cluster.primary_of(s).port for s in streams}) == 3
+        await bus.xread_now(dict.fromkeys(streams, "0"), 10)  # connects
+        _reset_command_calls(redis_cluster)
+        entries = await bus.xread_now(dict.fromkeys(streams, "0"), 10)
+        assert sorted((e.stream, e.fields[b"f"].decode()) for e in entries) == sorted(
+            (s, s) for s in streams
+        )
+        calls = _command_calls(redis_cluster)
+        assert calls["cmdstat_xread"] == 30
+        assert not any(name.startswith(("cmdstat_command", "cmdstat_cluster")) for name in calls)
+    finally:
+        await bus.aclose()
+
+
+async def test_a_read_sent_to_a_node_that_no_longer_serves_its_slot_follows_the_redirection(
+    redis_cluster,
+):
+    """A lane's read that a node answers with MOVED (the client's slot map is out of
+    date, as after a failover or a slot's move) is read again through redis-py's
+    client, which follows the redirection and learns where the slot is."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        moved, stays = "{moved-0}s", "{stays-0}s"
+        for stream in (moved, stays):
+            await bus.client.xadd(stream, {"f": stream})
+        owner = redis_cluster.primary_of(moved)
+        manager = bus.client.nodes_manager  # type: ignore[attr-defined]
+        slot = bus.client.keyslot(moved)  # type: ignore[attr-defined]
+        wrong = next(
+            node for node in manager.nodes_cache.values()
+            if node.server_type == "primary" and node.port != owner.port
+        )  # fmt: skip
+        manager.slots_cache[slot] = [wrong]
+        entries = await bus.xread_now({moved: "0", stays: "0"}, 10)
+        assert sorted(e.stream for e in entries) == [moved, stays]
+        assert manager.get_node_from_slot(slot).port == owner.port
+    finally:
+        await bus.aclose()
+
+
+async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(redis_cluster):
+    """Calls made together are sent to each primary as one batch closed by one ``WAIT 1``
+    (``dataplane.replicated``): a round trip and a replica acknowledgement per primary,
+    not per call. Each call still gets its own reply, an error reply only its own."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        incr = bus.register("return redis.call('INCR', KEYS[1])")
+        refuse = bus.register("return redis.error_reply('refused ' .. KEYS[1])")
+        names = [f"{{batched-{i}}}n" for i in range(40)]
+        # First calls: each node is refused them (NOSCRIPT), loads the script and runs
+        # them again.
+        first = await asyncio.gather(
+            *(bus.run(incr, [k], []) for k in names),
+            *(bus.run(refuse, [k], []) for k in names),
+            return_exceptions=True,
+        )
+        assert first[:40] == [[1]] * 40
+        assert all(isinstance(reply, redis.ResponseError) for reply in first[40:])
+        _reset_command_calls(redis_cluster)
+        replies = await asyncio.gather(
+            *(bus.run(incr, [k], []) for k in names),
+            bus.run(refuse, ["{batched-0}x"], []),
+            return_exceptions=True,
+        )
+        assert replies[:-1] == [[2]] * 40
+        assert isinstance(replies[-1], redis.ResponseError)
+        assert "refused {batched-0}x" in str(replies[-1])
+        calls = _command_calls(redis_cluster)
+        assert calls["cmdstat_evalsha"] == 41
+        assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
+    finally:
+        await bus.aclose()
+
+
 async def test_a_client_whose_last_refresh_failed_still_closes_every_connection(
     redis_cluster,
 ):
