@@ -69,11 +69,10 @@ def test_without_a_stage_seed_each_request_draws_its_own_from_its_id():
 
 def test_a_duplex_stage_takes_its_greedy_parameters_for_a_greedy_session():
     duplex = Duplex(None, None, {}, "sampled", 100, greedy_params="greedy")  # type: ignore[arg-type]
-    assert duplex.params_for(SettingsPayload()) == "sampled"
-    assert duplex.params_for(SettingsPayload(greedy=True)) == "greedy"
-    assert Duplex(None, None, {}, "sampled", 100).params_for(SettingsPayload(greedy=True)) == (  # type: ignore[arg-type]
-        "sampled"
-    )
+    assert duplex.params_for(SettingsPayload(), "r1") == "sampled"
+    assert duplex.params_for(SettingsPayload(greedy=True), "r1") == "greedy"
+    sampled_only = Duplex(None, None, {}, "sampled", 100)  # type: ignore[arg-type]
+    assert sampled_only.params_for(SettingsPayload(greedy=True), "r1") == "sampled"
 
 
 # -- through the engine ------------------------------------------------------------------
