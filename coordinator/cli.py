@@ -148,8 +148,11 @@ def _run_up(
     stack = LocalStack(settings, chosen, lock.workdir)
     out = Console(args.workdir)
     # SIGTERM (and `duplexq down`) stops the stack the way Ctrl-C does: in order, within
-    # STOP_WITHIN_S.
+    # STOP_WITHIN_S. SIGINT is handled explicitly too: a process started in the
+    # background by a non-interactive shell inherits SIGINT ignored, and Python then
+    # leaves it so, and such an up ignored every SIGINT sent to it.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         if own_redis:
             out(f"redis: yours, from {own_redis}: {redacted(settings.redis_url)} "
