@@ -115,6 +115,13 @@ class RedisCluster:
             return "syncing"
         return fields.get("cluster_state", "?")
 
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        """The replica of ``primary``, as the primary's ``CLUSTER NODES`` tells."""
+        for port, role, of in self._roles(primary, {node.port for node in self.nodes}):
+            if role == "replica" and of == primary.port:
+                return next(node for node in self.nodes if node.port == port)
+        raise LookupError(primary.port)
+
     def primary_of(self, key: str) -> RedisServer:
         """The node serving ``key``'s slot now."""
         with redis.Redis(port=self.live().port, socket_timeout=2) as client:

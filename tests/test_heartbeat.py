@@ -11,10 +11,12 @@ import asyncio
 import gc
 import os
 import signal
+from collections.abc import Callable
 
 from coordinator.service import Coordinator
 from dataplane.cluster import cluster_client
 from schemas.config import Settings, echo_pipeline
+from schemas.keys import Keys
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
@@ -35,47 +37,15 @@ async def test_a_stopped_primary_costs_a_worker_no_lease_on_another_primary(tmp_
         cluster.url, "beat", lease_ttl_ms=defaults["lease_ttl_ms"].default,
         heartbeat_ms=defaults["heartbeat_ms"].default,
     )  # fmt: skip
+
+    def choose(keys: Keys, sessions: list[str]) -> tuple[RedisServer, list[str]]:
+        victim = cluster.primary_of(keys.session("s0").meta)
+        elsewhere = [s for s in sessions if cluster.primary_of(keys.session(s).meta) is not victim]
+        assert elsewhere, "every session lives on the victim"
+        return victim, elsewhere
+
     ttl_s = settings.lease_ttl_ms / 1000
-    pipeline = echo_pipeline("echo")
-    coordinator = Coordinator(settings, pipeline)
-    keys = coordinator.bus.keys
-    sessions = [f"s{i}" for i in range(18)]
-    victim = cluster.primary_of(keys.session("s0").meta)
-    elsewhere = [s for s in sessions if cluster.primary_of(keys.session(s).meta) is not victim]
-    direct = cluster_client(cluster.url)
-    try:
-        async with running_worker(settings, pipeline, "echo") as worker:
-            for sid in sessions:
-                await coordinator.open(sid)
-            async with asyncio.timeout(30):
-                while len(worker.actors) < len(sessions):
-                    await asyncio.sleep(0.05)
-            assert elsewhere, "every session lives on the victim"
-            leases = {sid: await direct.get(keys.session(sid).lease("echo")) for sid in elsewhere}
-            assert victim.proc is not None
-            os.kill(victim.proc.pid, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(ttl_s + 1.5)
-            finally:
-                os.kill(victim.proc.pid, signal.SIGCONT)
-            await asyncio.sleep(1)
-            for sid in elsewhere:
-                assert await direct.get(keys.session(sid).lease("echo")) == leases[sid], sid
-                assert worker.actors[sid].active, sid
-    finally:
-        await direct.aclose()
-        await coordinator.aclose()
-        cluster.stop()
-        gc.collect()  # a socket left unclosed by a dropped node object fails this test
-
-
-def _replica_of(cluster: RedisCluster, primary: RedisServer) -> RedisServer:
-    """The replica of ``primary``, as the primary's ``CLUSTER NODES`` tells."""
-    live = {node.port for node in cluster.nodes}
-    for port, role, of in cluster._roles(primary, live):
-        if role == "replica" and of == primary.port:
-            return next(node for node in cluster.nodes if node.port == port)
-    raise LookupError(primary.port)
+    await _leases_outlive_a_stop(cluster, settings, 18, choose, ttl_s + 1.5, 1.0)
 
 
 async def test_a_slow_replica_costs_a_worker_no_lease(tmp_path):
@@ -90,31 +60,48 @@ async def test_a_slow_replica_costs_a_worker_no_lease(tmp_path):
     TTL; the shipped 3 s one outlives a retried WAIT."""
     cluster = RedisCluster(tmp_path / "cluster")
     cluster.start()
-    settings = fast_settings(cluster.url, "slow")
+
+    def choose(keys: Keys, sessions: list[str]) -> tuple[RedisServer, list[str]]:
+        primary = cluster.primary_of(keys.session("s0").meta)
+        on_it = [s for s in sessions if cluster.primary_of(keys.session(s).meta) is primary]
+        return cluster.replica_of(primary), on_it
+
+    await _leases_outlive_a_stop(cluster, fast_settings(cluster.url, "slow"), 6, choose, 3, 1.5)
+
+
+async def _leases_outlive_a_stop(
+    cluster: RedisCluster,
+    settings: Settings,
+    count: int,
+    choose: Callable[[Keys, list[str]], tuple[RedisServer, list[str]]],
+    stop_s: float,
+    settle_s: float,
+) -> None:
+    """One echo worker takes ``count`` sessions; the node ``choose`` names is stopped
+    (SIGSTOP) for ``stop_s``; ``settle_s`` later, every session ``choose`` names has
+    the lease it had before and its actor is still active. The cluster is stopped."""
     pipeline = echo_pipeline("echo")
     coordinator = Coordinator(settings, pipeline)
     keys = coordinator.bus.keys
-    sessions = [f"s{i}" for i in range(6)]
-    primary = cluster.primary_of(keys.session("s0").meta)
-    on_it = [s for s in sessions if cluster.primary_of(keys.session(s).meta) is primary]
-    replica = _replica_of(cluster, primary)
+    sessions = [f"s{i}" for i in range(count)]
     direct = cluster_client(cluster.url)
     try:
+        node, kept = choose(keys, sessions)
         async with running_worker(settings, pipeline, "echo") as worker:
             for sid in sessions:
                 await coordinator.open(sid)
             async with asyncio.timeout(30):
                 while len(worker.actors) < len(sessions):
                     await asyncio.sleep(0.05)
-            leases = {sid: await direct.get(keys.session(sid).lease("echo")) for sid in on_it}
-            assert replica.proc is not None
-            os.kill(replica.proc.pid, signal.SIGSTOP)
+            leases = {sid: await direct.get(keys.session(sid).lease("echo")) for sid in kept}
+            assert node.proc is not None
+            os.kill(node.proc.pid, signal.SIGSTOP)
             try:
-                await asyncio.sleep(3)
+                await asyncio.sleep(stop_s)
             finally:
-                os.kill(replica.proc.pid, signal.SIGCONT)
-            await asyncio.sleep(1.5)
-            for sid in on_it:
+                os.kill(node.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(settle_s)
+            for sid in kept:
                 assert await direct.get(keys.session(sid).lease("echo")) == leases[sid], sid
                 assert worker.actors[sid].active, sid
     finally:

@@ -403,9 +403,8 @@ async def test_a_primary_whose_replica_is_gone_is_reported(tmp_path):
     try:
         cluster.start()
         primary = cluster.primary_of("k")
-        with _redis(primary.port) as client:
-            replica_port = int(client.info("replication")["slave0"]["port"])
-        replica = next(node for node in cluster.nodes if node.port == replica_port)
+        replica = cluster.replica_of(primary)
+        replica_port = replica.port
         replica.stop(signal.SIGKILL)
         found = await _settled(cluster.url, lambda f: any(x.setting == "replicas" for x in f))
         [finding] = [f for f in found if f.setting == "replicas"]
