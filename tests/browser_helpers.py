@@ -113,6 +113,13 @@ class DemoPage:
             ) from None
         return await self.state()
 
+    async def connect_and_speak_once(self) -> None:
+        """Connect, wait until the looping microphone's first utterance ends, then mute
+        it (it sends silence) so it speaks again only when a test unmutes it."""
+        await self.page.click("#connect")
+        await self.wait_for("(s.eventCounts['input_audio_buffer.speech_stopped'] || 0) > 0")
+        await self.page.check("#mute")
+
 
 @contextlib.asynccontextmanager
 async def demo_page(http_base: str, mic_wav: Path, api_key: str = "k1") -> AsyncIterator[DemoPage]:

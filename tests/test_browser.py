@@ -247,11 +247,7 @@ async def test_spoken_turn_is_answered_and_interruptions_silence_it(settings, tm
         serving(settings, pipeline) as base,
         demo_page(http(base), wav) as demo,
     ):
-        await demo.page.click("#connect")
-        # The first utterance ends; the mic is muted (it then sends silence) so the
-        # loop does not speak again until the test wants it to.
-        await demo.wait_for("(s.eventCounts['input_audio_buffer.speech_stopped'] || 0) > 0")
-        await demo.page.check("#mute")
+        await demo.connect_and_speak_once()
 
         # 1. The spoken turn is transcribed and answered with speech that the output
         # meter hears (speech starts softly: a chunk that began may still be quiet).
@@ -332,9 +328,7 @@ async def test_the_page_shows_the_last_turns_waterfall(settings, tmp_path, monke
                 serving(settings, pipeline) as base,
                 demo_page(http(base), wav) as demo,
             ):
-                await demo.page.click("#connect")
-                await demo.wait_for("(s.eventCounts['input_audio_buffer.speech_stopped'] || 0) > 0")
-                await demo.page.check("#mute")
+                await demo.connect_and_speak_once()
                 state = await demo.wait_for("s.lastTurnTrace !== null", 40)
                 names = await demo.page.eval_on_selector_all(
                     "#waterfall .wf-name", "els => els.map((e) => e.textContent)"
