@@ -32,11 +32,9 @@ from typing import Any
 
 from chaos.checker import (
     COUNTS,
-    DEFAULT_BOUND_S,
-    RECOVERY_BOUND_S,
     Verdict,
+    bound_of,
     check,
-    over_bound,
     summarize,
 )
 from chaos.client import ChaosClient, ClientConfig
@@ -204,7 +202,7 @@ def report(
         else "single",
         "totals": dict(verdict.totals),
         "recovery": verdict.recovery_summary(),
-        "over_bound": over_bound(verdict.recovery_summary()),
+        "over_bound": verdict.over_bound(),
         "faults": {
             kind: sum(f.kind == kind for f in nemesis.log) for kind in args.faults.split(",")
         },
@@ -244,7 +242,7 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for kind, count in result["faults"].items():
         rec = result["recovery"].get(kind, {})
-        bound = RECOVERY_BOUND_S.get(kind, DEFAULT_BOUND_S)
+        bound = bound_of(kind)
         over = " **over**" if kind in result.get("over_bound", {}) else ""
         lines.append(f"| {kind} | {count} | {rec.get('p50_s', '-')} | {rec.get('max_s', '-')} "
                      f"| {bound:g}{over} |")  # fmt: skip

@@ -44,22 +44,24 @@ RECOVERY_BOUND_S = {
     "promote_replica": 20.0,
     "partition": 20.0,
 }
-"""The most any fault of a class may take to recover in the CI shape (docs/nemesis.md,
+"""The most a fault of a class may take to recover in the CI shape (docs/nemesis.md,
 "Bounds"); a class not named here has ``DEFAULT_BOUND_S``. A fault's figure includes any
-other fault that struck meanwhile, so a bound is a single fault's worst path with room
-for one overlapping fault, not its median."""
+other fault that was still recovering when it struck or struck while it recovered: such
+a fault is judged against the larger of the two classes' bounds (``Verdict.over_bound``).
+A bound is a single fault's worst path with room for one overlapping fault of its own
+class, not its median."""
 
 DEFAULT_BOUND_S = 15.0
 
 
-def over_bound(summary: dict[str, dict[str, float | int]]) -> dict[str, float]:
-    """The classes of a ``Verdict.recovery_summary`` whose slowest recovery passed its
-    bound, with that recovery (s)."""
-    return {
-        kind: float(figures["max_s"])
-        for kind, figures in summary.items()
-        if figures["max_s"] > RECOVERY_BOUND_S.get(kind, DEFAULT_BOUND_S)
-    }
+def bound_of(kind: str) -> float:
+    """The recovery bound of a fault class (s)."""
+    return RECOVERY_BOUND_S.get(kind, DEFAULT_BOUND_S)
+
+
+def _aimed(fault: Fault) -> str:
+    """The client a fault is aimed at ('' for a fault that may reach every client)."""
+    return fault.target.removeprefix("client-") if fault.target.startswith("client-") else ""
 
 
 @dataclass(slots=True)
@@ -86,6 +88,27 @@ class Verdict:
     clients: list[ClientResult]
     recovery: dict[str, list[float]]
     """Fault class -> recovery time (s) of each fault of that class that hit a client."""
+    struck: list[tuple[Fault, float | None]] = field(default_factory=list)
+    """Every fault with its recovery (None: it caught no client waiting)."""
+
+    def over_bound(self) -> dict[str, float]:
+        """The classes with a fault slower than its bound, with the slowest such
+        recovery (s). A fault's bound is its class's, or the largest bound among the
+        faults that overlapped its recovery: one still recovering when it struck, or
+        one that struck while it recovered (a fault that caught no client waiting
+        overlaps only if it struck then)."""
+        over: dict[str, float] = {}
+        for fault, took in self.struck:
+            if took is not None and took > self._bound(fault, took):
+                over[fault.kind] = max(over.get(fault.kind, 0.0), round(took, 3))
+        return over
+
+    def _bound(self, fault: Fault, took: float) -> float:
+        bound = bound_of(fault.kind)
+        for other, other_took in self.struck:
+            if other.t <= fault.t + took and other.t + (other_took or 0.0) >= fault.t:
+                bound = max(bound, bound_of(other.kind))
+        return bound
 
     @property
     def totals(self) -> Counter[str]:
@@ -114,7 +137,12 @@ def check(
     histories: Sequence[History], faults: Iterable[Fault] = (), *, stall_s: float = 20.0
 ) -> Verdict:
     results = [_check_client(h, stall_s) for h in histories]
-    return Verdict(results, _recovery(histories, list(faults)))
+    struck = _recovery(histories, list(faults))
+    recovery: dict[str, list[float]] = {}
+    for fault, took in struck:
+        if took is not None:
+            recovery.setdefault(fault.kind, []).append(took)
+    return Verdict(results, recovery, struck)
 
 
 class _ClientCheck:
@@ -248,25 +276,26 @@ def _client_recovery(
     return delay
 
 
-def _recovery(histories: Sequence[History], faults: list[Fault]) -> dict[str, list[float]]:
+def _recovery(
+    histories: Sequence[History], faults: list[Fault]
+) -> list[tuple[Fault, float | None]]:
     """Each fault's recovery: the longest, over the clients, of the time from the fault
     until a client owed an answer was served again. That is its next block when the
     fault caught it waiting (or it began waiting within ``AFTERMATH_S``); and when a
     stall (``STALL_S`` or more without progress) began within ``AFTERMATH_S`` of the
     fault (blocks already on their way arrive first, then nothing: the fault's
     effect), until that stall ended. A fault aimed at one client (``client-N``) is
-    judged on that client alone."""
+    judged on that client alone. None: the fault caught no client waiting."""
     blocks = {h.client: [op.t for op in h.ops if op.kind == "block"] for h in histories}
     gaps = {h.client: _gaps(h, blocks[h.client]) for h in histories}
-    recovery: dict[str, list[float]] = {}
+    struck: list[tuple[Fault, float | None]] = []
     for fault in faults:
-        aimed = fault.target.removeprefix("client-")
+        aimed = _aimed(fault)
         clients = [int(aimed)] if aimed.isdigit() and int(aimed) in gaps else list(gaps)
         delays = [_client_recovery(fault, blocks[c], gaps[c]) for c in clients]
         found = [d for d in delays if d is not None]
-        if found:
-            recovery.setdefault(fault.kind, []).append(max(found))
-    return recovery
+        struck.append((fault, max(found) if found else None))
+    return struck
 
 
 def summarize(op_counts: Iterable[Op]) -> Counter[str]:

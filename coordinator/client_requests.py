@@ -57,11 +57,9 @@ async def create(conn: Connection, event: ResponseCreate) -> None:
             "response.done or cancel it first",
         )
     if decision is Create.CLAIM:
-        # The commit asked already; what the client sees of the response still applies
-        # (from its next event on, if it has begun).
-        notice = requested_notice(params, conn.requests.claimed)
-        if notice is not None:
-            await conn._journal(notice)
+        # The commit asked already: the request creates its response if it has not
+        # begun, and what the client sees of it applies from its next event on.
+        await conn._journal(requested_notice(params, conn.requests.claimed))
         return
     await _new_response(conn, params)
 

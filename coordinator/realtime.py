@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from coordinator import g711
 from coordinator.frames import ResponseFrame, Timeline, created
 from coordinator.items import ConversationItems, announced
-from coordinator.response_requests import RequestedResponses
+from coordinator.response_requests import REQUESTED, RequestedResponses
 from coordinator.responses import Change, Created, Item, ResponseLife
 from schemas.errors import ErrorCode, ProtocolError
 from schemas.events import (
@@ -261,6 +261,9 @@ class ServerEventTranslator:
             return []
         if kind is OutputKind.NOTICE:
             notice: ServerEvent = json.loads(out.text)
+            if notice.get("type") == REQUESTED:  # a response.create taken: created now
+                asked = self.life.step(Item.REQUEST, str(notice.get("response_id")))
+                return [notice, *self._frame(asked)]
             return [notice]
         if kind is OutputKind.SPEECH_STARTED:
             return [{"type": "input_audio_buffer.speech_started",

@@ -15,10 +15,12 @@ A connection decides each ``response.create`` with ``ResponseRequests``::
                                                               turn added (``respond``)
 
 A response's own options reach the model stage as a ``next_response``
-conversation edit (``options_edit``); what only the client sees of it (its
-``metadata``, whether it is out of band) is journaled before its commit as a
-``duplexq.response.requested`` notice, which ``RequestedResponses`` takes out of
-the events a translator frames and applies to them: ``metadata`` on
+conversation edit (``options_edit``). The request itself, with what only the
+client sees of the response (its ``metadata``, whether it is out of band), is
+journaled before its commit as a ``duplexq.response.requested`` notice: the
+translator creates the response there (``coordinator.responses``), and
+``RequestedResponses`` takes the notice out of the events it frames and applies
+it to them: ``metadata`` on
 ``response.created`` and ``response.done``; an out-of-band response's items
 are not announced as conversation items (``conversation.item.added`` /
 ``.done``), since they are not in the conversation. The notice is in the
@@ -106,10 +108,9 @@ def options_edit(params: ResponseParams) -> ConversationPayload | None:
     return ConversationPayload("next_response", "", text=json.dumps(chosen)) if chosen else None
 
 
-def requested_notice(params: ResponseParams, response: str) -> ServerEvent | None:
-    """The journal notice of what the client sees of ``response`` (None: nothing)."""
-    if params.metadata is None and not params.out_of_band:
-        return None
+def requested_notice(params: ResponseParams, response: str) -> ServerEvent:
+    """The journal notice that a ``response.create`` asked for ``response``, with what
+    the client sees of it."""
     notice: ServerEvent = {"type": REQUESTED, "response_id": response}
     if params.metadata is not None:
         notice["metadata"] = dict(params.metadata)

@@ -1,18 +1,33 @@
 """A response's life, as the client sees it: every rule in this one table (pure).
 
 A response is *reserved* by the authority when the user's turn ends (a client
-commit, or the server VAD's turn end: ``response_seq`` + 1); nothing is sent
-for it until its first output reaches the session's journal. From then on the
-journal alone decides, read in order, so that a resume replaying the journal
-through a fresh ``ResponseLife`` frames it exactly as the live reader did::
+commit, or the server VAD's turn end: ``response_seq`` + 1). A response a
+``response.create`` asked for is created as soon as that request is taken: its
+*request* notice is journaled between the reservation and the commit, before any
+output of the response (clients wait for ``response.created`` to match their
+request, LiveKit Agents for at most a few seconds, while a model may take longer
+to say its first word). Any other response is created by its first output. From
+then on the journal alone decides, read in order, so that a resume replaying the
+journal through a fresh ``ResponseLife`` frames it exactly as the live reader did::
 
     state       journal item                 next        server events
     ----------  ---------------------------  ----------  ------------------------------
+    idle        request of R (R not the one  streaming R created R
+                that ended last)
+    idle        request of the response      idle        -
+                that ended last
+    streaming R request of R                 streaming R -
+    streaming R request of R' (R' != R)      streaming R' done R incomplete (superseded),
+                                                         created R'
     idle        output of R                  streaming R created R
     idle        final done of R              idle        created R, done R completed
     streaming R output of R                  streaming R -
-    streaming R output of R' (R' != R)       streaming R' done R incomplete (superseded),
-                                                         created R'
+    streaming R output of R' reserved before streaming R -
+                R (a stage that does not
+                follow responses answering
+                an input from before R)
+    streaming R output of R' reserved after  streaming R' done R incomplete (superseded),
+                R                                        created R'
     streaming R final done                   idle        done R completed
     streaming R cancel barrier               idle        done R cancelled (its reason)
     streaming R close barrier                idle        done R incomplete (session_closed)
@@ -23,6 +38,12 @@ through a fresh ``ResponseLife`` frames it exactly as the live reader did::
                                                          created R', done R' failed
     idle        failure of the response      idle        -
                 that ended last
+
+An output of a response reserved before the one streaming reaches the table only
+from a stage that does not follow responses (echo, answering each input as it
+comes, under the response reserved when it came); a model stage's is stale and
+the output reader drops it. It joins the response streaming rather than
+re-creating a response that was superseded.
 
 A *final done* is the ``done`` of a client-facing stage at the end of its chain
 (``terminal_stages``); a *failure* is a stage's error output (the backend
@@ -40,6 +61,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
+from schemas.items import response_seq_of
+
 
 class Item(Enum):
     """What a journal item is, to a response's life."""
@@ -49,6 +72,7 @@ class Item(Enum):
     CANCEL = "cancel"
     CLOSE = "close"
     FAILURE = "failure"
+    REQUEST = "request"
 
 
 class Ended(NamedTuple):
@@ -78,8 +102,8 @@ class ResponseLife:
         """The id of the response that ended last."""
 
     def step(self, item: Item, response_id: str | None = None, *, reason: str = "") -> list[Change]:
-        """Apply one journal item (``response_id`` for outputs and final dones, the
-        cancel's ``reason`` for a cancel); the responses it creates and ends, in the
+        """Apply one journal item (``response_id`` for requests, outputs and final
+        dones, the cancel's ``reason`` for a cancel); the responses it creates and ends, in the
         order their server events go out."""
         changes = self._step(item, response_id, reason)
         for change in changes:
@@ -100,6 +124,8 @@ class ResponseLife:
             raise ValueError(f"a {item.value} belongs to a response")
         if item is Item.FAILURE:
             return self._failure(active, response_id, reason)
+        if item is Item.REQUEST and active is None and response_id == self.ended:
+            return []  # asked for after it ended (a commit's response, claimed late)
         if item is Item.FINAL_DONE:
             self.active = None
             if active is None:
@@ -107,6 +133,8 @@ class ResponseLife:
             return [Ended(active, "completed")]
         if active == response_id:
             return []
+        if item is Item.OUTPUT and active is not None and _older(response_id, active):
+            return []  # it joins the response streaming, never re-creates an older one
         self.active = response_id
         if active is None:
             return [Created(response_id)]
@@ -122,3 +150,8 @@ class ResponseLife:
         if active is not None:
             changes.append(Ended(active, "incomplete", "superseded"))
         return [*changes, Created(response_id), Ended(response_id, "failed", reason)]
+
+
+def _older(response_id: str, than: str) -> bool:
+    """Whether ``response_id`` was reserved before ``than``."""
+    return response_seq_of(response_id) < response_seq_of(than)

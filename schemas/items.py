@@ -27,6 +27,13 @@ def response_id(fence: Fence) -> str:
     return f"resp_{fence.epoch}_{fence.turn_id}_{fence.response_seq}"
 
 
+def response_seq_of(response: str) -> int:
+    """The response_seq a response id names (``resp_E_T_R`` -> R; -1 for an id that is
+    not one)."""
+    last = response.rpartition("_")[2]
+    return int(last) if last.isdigit() else -1
+
+
 def item_id_for(response: str) -> str:
     """The id of a response's message item (``resp_E_T_R`` -> ``item_E_T_R``)."""
     return "item_" + response.removeprefix("resp_")

@@ -169,12 +169,22 @@ def text_turn(text: str) -> list[dict[str, Any]]:
 
 def streaming_echo(chunks: int = 40, step_ms: int = 20) -> PipelineConfig:
     """The echo pipeline answering in ``chunks`` deltas ``step_ms`` apart: a response that
-    streams long enough to be cancelled, dropped or resumed in the middle."""
+    streams long enough to be cancelled, dropped or resumed in the middle. Typed text is
+    answered when asked, as the shipped echo and a model answer it: a typed turn's answer
+    is the response its ``response.create`` asked for."""
     pipeline = echo_pipeline("echo")
     stage = pipeline.stages[0].model_copy(
-        update={"options": {"chunks": chunks, "step_ms": step_ms}}
+        update={"options": {"chunks": chunks, "step_ms": step_ms, "when_asked": True}}
     )
     return pipeline.model_copy(update={"stages": (stage,)})
+
+
+def asked_echo() -> PipelineConfig:
+    """The echo pipeline answering typed text whole, when asked (the turn's commit or its
+    ``response.create``), as a model does: a typed turn's answer is the response its
+    client asked for. (Answering at once, echo's answer to typed text can begin under
+    the response reserved before, and the response asked for then supersedes it.)"""
+    return streaming_echo(chunks=1, step_ms=0)
 
 
 def sample(exposition: str, name: str, labels: dict[str, str] | None = None) -> float:

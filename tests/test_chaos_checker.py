@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chaos.checker import DEFAULT_BOUND_S, RECOVERY_BOUND_S, Fault, check, over_bound
+from chaos.checker import DEFAULT_BOUND_S, RECOVERY_BOUND_S, Fault, check
 from chaos.history import Attempt, History, Op, parse_blocks
 
 A = Attempt(0, 1, 0)
@@ -131,10 +131,25 @@ def test_outputs_of_one_owner_at_a_time_pass_and_interleaved_owners_are_found():
     assert two_owners(same_incarnation) == ["s:out talker: inc 2 seq 2 after inc 2 seq 2"]
 
 
+def waits(client: int, until_s: float) -> History:
+    """A client that sent at 0 and got its answer at ``until_s``."""
+    return history(Op("send", 0, A), Op("ack", 0.05, A), *answered(A, until_s), client=client)
+
+
 def test_a_class_slower_than_its_bound_is_named_with_its_slowest_recovery():
-    summary = {
-        "kill_worker": {"faults": 3, "p50_s": 4.0, "max_s": DEFAULT_BOUND_S + 0.5},
-        "drop_socket": {"faults": 2, "p50_s": 0.1, "max_s": RECOVERY_BOUND_S["drop_socket"]},
-        "partition": {"faults": 1, "p50_s": 16.0, "max_s": 16.0},
-    }
-    assert over_bound(summary) == {"kill_worker": DEFAULT_BOUND_S + 0.5}
+    slow = DEFAULT_BOUND_S + 1.5
+    verdict = check([waits(0, slow), waits(1, 1.5)],
+                    [Fault(1.0, "kill_worker"), Fault(1.0, "drop_socket", "client-1")])  # fmt: skip
+    assert verdict.over_bound() == {"kill_worker": DEFAULT_BOUND_S + 0.5}
+
+
+def test_a_fault_overlapped_by_another_is_judged_against_the_larger_bound():
+    """A dropped socket whose client then waits on a worker's failover: its recovery
+    includes the failover's, so the failover's bound judges it; alone, its own does."""
+    drop = RECOVERY_BOUND_S["drop_socket"]
+    took = drop + 2.0
+    alone = check([waits(0, 1.0 + took)], [Fault(1.0, "drop_socket", "client-0")])
+    assert alone.over_bound() == {"drop_socket": took}
+    faults = [Fault(1.0, "drop_socket", "client-0"), Fault(1.5, "kill_worker")]
+    overlapped = check([waits(0, 1.0 + took)], faults)
+    assert overlapped.over_bound() == {}

@@ -26,7 +26,7 @@ from schemas.events import TextPayload
 from schemas.keys import Keys
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import WorkerProcess, write_pipeline
-from tests.realtime_helpers import Client, serving, text_turn, until_completed
+from tests.realtime_helpers import Client, asked_echo, serving, text_turn, until_completed
 from tests.redis_server import RedisServer
 from workers.ownership import StageOwnership
 
@@ -191,6 +191,12 @@ def _deltas(events):
     return "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
 
 
+def _texts(response: dict) -> list[str]:
+    """The text parts of a response's output."""
+    parts = [part for item in response["output"] for part in item.get("content", [])]
+    return [part["text"] for part in parts if part.get("type") == "output_text"]
+
+
 async def _refused(client: Client, events: list[dict], tag: str) -> None:
     """Send ``events`` (with event ids): each is answered by a ``redis_full`` error naming
     it, in order, and by nothing else."""
@@ -213,7 +219,7 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
         server.url, "full", lease_ttl_ms=ttl_ms, heartbeat_ms=heartbeat_ms,
         api_keys=("k1",), first_event_wait_ms=50,
     )  # fmt: skip
-    pipeline = echo_pipeline("echo")
+    pipeline = asked_echo()  # a typed turn's answer is its response (echo answers audio at once)
     path = write_pipeline(tmp_path, pipeline)
     # w0 serves the session; w1 starts while Redis is full, and could take the session
     # over if its lease lapsed.
@@ -241,6 +247,7 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
             for event in text_turn("two"):
                 await client.send(event)
             await client.until("conversation.item.done")  # created, added, done
+            await client.until("response.created")  # its response.create was taken
             # Audio taken before Redis fills: the commit refused below has input to commit
             # (with none, it would be refused as empty before any write).
             await client.send({"type": "input_audio_buffer.append", "audio": SILENCE})
@@ -288,10 +295,10 @@ async def test_a_full_redis_drops_no_client_and_fails_no_session_over(tmp_path: 
 
         seen = client.seen
         assert _deltas(seen) == "onetwothree"
-        # Each turn's answer completed (echo also answers the audio chunk, on its own).
-        texts = {e["response_id"] for e in seen if e["type"] == "response.output_text.delta"}
+        # Each turn's answer completed. (Echo answers the audio chunk at once, on its own,
+        # under the fence of the turn before: a response of its own, without text.)
         done = [e["response"]["status"] for e in seen
-                if e["type"] == "response.done" and e["response"]["id"] in texts]  # fmt: skip
+                if e["type"] == "response.done" and _texts(e["response"])]  # fmt: skip
         assert done == ["completed"] * 3
         fences = [e["duplexq"]["fence"] for e in seen if "fence" in e.get("duplexq", {})]
         assert fences and all(f["incarnation"] == 0 for f in fences)

@@ -13,7 +13,7 @@ import pytest
 from coordinator.response_requests import Create, RequestedResponses, ResponseRequests
 from schemas.config import echo_pipeline
 from tests.pipeline_helpers import fast_settings, running_worker
-from tests.realtime_helpers import Client, serving, streaming_echo, text_turn
+from tests.realtime_helpers import Client, asked_echo, serving, streaming_echo, text_turn
 from tests.voice_helpers import SERVER_EVENT
 
 EXTENSION_PREFIX = "duplexq."
@@ -96,6 +96,27 @@ async def test_a_response_from_the_conversation_with_no_new_input(settings):
     assert second["status"] == "completed" and second["id"] != first["id"]
 
 
+async def test_a_create_is_answered_with_response_created_before_any_output(settings):
+    """A client waits for ``response.created`` to match its ``response.create`` (LiveKit
+    Agents for a few seconds, by ``metadata.client_event_id``), while a model may take
+    longer to say its first word: the response is created when the request is taken.
+    No worker runs here, so no output ever comes; a cancel still ends the response, once."""
+    pipeline = echo_pipeline("echo")
+    metadata = {"client_event_id": "ce_7"}
+    async with serving(settings, pipeline) as base, Client.connect(base) as client:
+        await _until(client, "session.created")
+        await client.send({"type": "response.create", "response": {"metadata": metadata}})
+        [created] = (await _until(client, "response.created"))[-1:]
+        await client.send({"type": "response.cancel"})
+        events = await _until(client, "response.done")
+    assert created["response"]["metadata"] == metadata
+    assert created["response"]["status"] == "in_progress"
+    assert "response.created" not in _types(events)
+    done = events[-1]["response"]
+    assert done["id"] == created["response"]["id"] and done["metadata"] == metadata
+    assert (done["status"], done["status_details"]["reason"]) == ("cancelled", "client_cancelled")
+
+
 async def test_metadata_is_echoed_and_a_second_create_is_refused_while_one_runs(settings):
     pipeline = streaming_echo(chunks=20, step_ms=50)  # a second of streaming
     metadata = {"client_event_id": "ce_1", "topic": "greeting"}
@@ -157,7 +178,7 @@ async def test_an_out_of_band_response_adds_no_conversation_item(settings):
 
 
 async def test_items_are_announced_retrieved_and_unknown_ones_refused(settings):
-    pipeline = echo_pipeline("echo")
+    pipeline = asked_echo()
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo"),

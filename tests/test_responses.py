@@ -26,6 +26,13 @@ def life(active: str | None) -> ResponseLife:
         ("r1", Item.CLOSE, None, [Ended("r1", "incomplete", "session_closed")], None),
         (None, Item.CANCEL, None, [], None),
         (None, Item.CLOSE, None, [], None),
+        (None, Item.REQUEST, "r1", [Created("r1")], "r1"),
+        ("r1", Item.REQUEST, "r1", [], "r1"),
+        ("resp_0_1_2", Item.OUTPUT, "resp_0_0_1", [], "resp_0_1_2"),
+        ("resp_0_1_2", Item.OUTPUT, "resp_0_2_3",
+         [Ended("resp_0_1_2", "incomplete", "superseded"), Created("resp_0_2_3")], "resp_0_2_3"),
+        ("r1", Item.REQUEST, "r2",
+         [Ended("r1", "incomplete", "superseded"), Created("r2")], "r2"),
     ],
 )  # fmt: skip
 def test_each_row(active, item, rid, changes, after):
@@ -66,3 +73,18 @@ def test_a_failure_ends_its_response_failed_once(active, ended, rid, changes, af
     responses.ended = ended
     assert responses.step(Item.FAILURE, rid, reason="backend_error") == changes
     assert responses.active == after
+
+
+def test_a_request_creates_its_response_once_before_its_outputs():
+    """A ``response.create`` taken creates its response at once; its outputs, its end or
+    a cancel before any output follow as for any response; a request for the response
+    that ended last (a commit's, claimed after its answer) creates nothing."""
+    responses = ResponseLife()
+    assert responses.step(Item.REQUEST, "r1") == [Created("r1")]
+    assert responses.step(Item.OUTPUT, "r1") == []
+    assert responses.step(Item.FINAL_DONE, "r1") == [Ended("r1", "completed")]
+    assert responses.step(Item.REQUEST, "r1") == []
+    assert responses.step(Item.REQUEST, "r2") == [Created("r2")]
+    assert responses.step(Item.CANCEL, reason="client_cancelled") == [
+        Ended("r2", "cancelled", "client_cancelled")
+    ]
