@@ -6,7 +6,9 @@ commit, or the server VAD's turn end: ``response_seq`` + 1). A response a
 *request* notice is journaled between the reservation and the commit, before any
 output of the response (clients wait for ``response.created`` to match their
 request, LiveKit Agents for at most a few seconds, while a model may take longer
-to say its first word). Any other response is created by its first output. From
+to say its first word). Any other response is created by its first output, and so
+is a requested one while another response streams: that one goes on until the
+requested one's first output supersedes it or its final done ends it. From
 then on the journal alone decides, read in order, so that a resume replaying the
 journal through a fresh ``ResponseLife`` frames it exactly as the live reader did::
 
@@ -17,8 +19,8 @@ journal through a fresh ``ResponseLife`` frames it exactly as the live reader di
     idle        request of the response      idle        -
                 that ended last
     streaming R request of R                 streaming R -
-    streaming R request of R' (R' != R)      streaming R' done R incomplete (superseded),
-                                                         created R'
+    streaming R request of R' (R' != R)      streaming R - (R' is created by its first
+                                                         output, as any other response)
     idle        output of R                  streaming R created R
     idle        final done of R              idle        created R, done R completed
     streaming R output of R                  streaming R -
@@ -124,8 +126,8 @@ class ResponseLife:
             raise ValueError(f"a {item.value} belongs to a response")
         if item is Item.FAILURE:
             return self._failure(active, response_id, reason)
-        if item is Item.REQUEST and active is None and response_id == self.ended:
-            return []  # asked for after it ended (a commit's response, claimed late)
+        if item is Item.REQUEST and (active is not None or response_id == self.ended):
+            return []  # another streams (the asked one's output will tell), or it ended
         if item is Item.FINAL_DONE:
             self.active = None
             if active is None:

@@ -182,8 +182,9 @@ def streaming_echo(chunks: int = 40, step_ms: int = 20) -> PipelineConfig:
 def asked_echo() -> PipelineConfig:
     """The echo pipeline answering typed text whole, when asked (the turn's commit or its
     ``response.create``), as a model does: a typed turn's answer is the response its
-    client asked for. (Answering at once, echo's answer to typed text can begin under
-    the response reserved before, and the response asked for then supersedes it.)"""
+    client asked for. (Answering at once, echo's answer to typed text can begin before
+    its ``response.create`` is taken, under the response reserved before: the answer is
+    then that response, not the one asked for.)"""
     return streaming_echo(chunks=1, step_ms=0)
 
 

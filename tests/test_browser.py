@@ -128,9 +128,12 @@ class RecordingEcho(EchoBackend):
 
 
 def streaming_echo() -> PipelineConfig:
+    """Echo streaming its answers; typed text answered when asked, as the shipped echo
+    and a model answer it (answered at once, a typed turn's answer or its function call
+    could begin before its ``response.create`` is taken, in the response before)."""
+    options = {"chunks": 4, "step_ms": 5, "when_asked": True}
     return PipelineConfig(
-        name="browser-echo",
-        stages=(StageConfig(name="echo", to_client=True, options={"chunks": 4, "step_ms": 5}),),
+        name="browser-echo", stages=(StageConfig(name="echo", to_client=True, options=options),)
     )
 
 

@@ -12,11 +12,10 @@ from typing import Any
 
 import uvicorn
 
-from schemas.config import echo_pipeline
 from tests.browser_helpers import find_chromium
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import ROOT
-from tests.realtime_helpers import serving
+from tests.realtime_helpers import asked_echo, serving
 from tests.redis_server import free_port
 
 
@@ -35,7 +34,7 @@ def _load_file(name: str, path: Path):
 
 async def test_the_sdk_example_gets_its_answer(redis_server, key_prefix, capsys):
     settings = fast_settings(redis_server.url, key_prefix, api_keys=("k1",))
-    pipeline = echo_pipeline("echo")
+    pipeline = asked_echo()  # typed text answered when asked, as the shipped echo does
     example = _load("sdk_text_turn")
     async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
         answer, status = await example.text_turn(base, "k1", "hello from the example")
@@ -63,7 +62,7 @@ async def test_the_browser_example_talks_with_a_client_secret(redis_server, key_
     from playwright.async_api import async_playwright
 
     settings = fast_settings(redis_server.url, key_prefix, api_keys=("k1",))
-    pipeline = echo_pipeline("echo")
+    pipeline = asked_echo()
     example = _load_file("browser_app", ROOT / "examples" / "browser" / "app.py")
     async with (
         serving(settings, pipeline) as base,
@@ -95,7 +94,7 @@ async def test_the_function_call_example_runs_the_function_and_gets_the_answer(
     redis_server, key_prefix
 ):
     settings = fast_settings(redis_server.url, key_prefix, api_keys=("k1",))
-    pipeline = echo_pipeline("echo")
+    pipeline = asked_echo()
     example = _load("sdk_function_call")
     async with serving(settings, pipeline) as base, running_worker(settings, pipeline, "echo"):
         # The function runs between these two readings of the clock (a minute may turn

@@ -31,8 +31,7 @@ def life(active: str | None) -> ResponseLife:
         ("resp_0_1_2", Item.OUTPUT, "resp_0_0_1", [], "resp_0_1_2"),
         ("resp_0_1_2", Item.OUTPUT, "resp_0_2_3",
          [Ended("resp_0_1_2", "incomplete", "superseded"), Created("resp_0_2_3")], "resp_0_2_3"),
-        ("r1", Item.REQUEST, "r2",
-         [Ended("r1", "incomplete", "superseded"), Created("r2")], "r2"),
+        ("r1", Item.REQUEST, "r2", [], "r1"),
     ],
 )  # fmt: skip
 def test_each_row(active, item, rid, changes, after):
@@ -87,4 +86,13 @@ def test_a_request_creates_its_response_once_before_its_outputs():
     assert responses.step(Item.REQUEST, "r2") == [Created("r2")]
     assert responses.step(Item.CANCEL, reason="client_cancelled") == [
         Ended("r2", "cancelled", "client_cancelled")
+    ]
+    # Asked for while another streams: that one goes on, the asked one begins with its
+    # first output (or the streaming one ends with the asked one's final done).
+    assert responses.step(Item.OUTPUT, "resp_0_2_3") == [Created("resp_0_2_3")]
+    assert responses.step(Item.REQUEST, "resp_0_3_4") == []
+    assert responses.step(Item.OUTPUT, "resp_0_2_3") == []
+    assert responses.step(Item.OUTPUT, "resp_0_3_4") == [
+        Ended("resp_0_2_3", "incomplete", "superseded"),
+        Created("resp_0_3_4"),
     ]
