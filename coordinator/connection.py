@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.websockets import WebSocketDisconnect
 
 from coordinator import client_requests, conversation, socket_io
 from coordinator.auth import Identity
@@ -557,6 +558,15 @@ class Connection:
     # -- session -> client ---------------------------------------------------------
 
     async def _pump(self) -> None:
+        try:
+            await self._pump_events()
+        except WebSocketDisconnect:
+            # The client went away while an event was on its way (a close the receive
+            # loop had not read yet): the receive loop ends the connection; nothing here
+            # is an error (it surfaced as "Exception in ASGI application").
+            return
+
+    async def _pump_events(self) -> None:
         while True:
             item = await self.outbound.get()
             if isinstance(item, dict):

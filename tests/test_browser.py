@@ -138,11 +138,20 @@ def streaming_echo() -> PipelineConfig:
 
 
 async def click_interrupt(demo: DemoPage) -> dict[str, Any]:
-    """Click Interrupt and read the state in the same task: silence must be immediate."""
+    """Click Interrupt while audio plays, and read the state in the same task: silence
+    must be immediate. The page waits for playback itself and clicks in the task that saw
+    it: seen playing from the test, the echo's audio (answers to the microphone's, as
+    they come) could run dry in the round trip before the click on a loaded machine, and
+    an interrupt with nothing playing cuts nothing."""
     state: dict[str, Any] = await demo.evaluate(
-        """() => {
+        """async () => {
+            const s = window.duplexqDemo;
+            const until = performance.now() + 20000;
+            while (!s.playing && performance.now() < until) {
+                await new Promise((resolve) => setTimeout(resolve, 2));
+            }
             document.getElementById("interrupt").click();
-            return JSON.parse(JSON.stringify(window.duplexqDemo));
+            return JSON.parse(JSON.stringify(s));
         }"""
     )
     return state
