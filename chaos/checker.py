@@ -86,10 +86,17 @@ class Fault:
 @dataclass(slots=True)
 class Verdict:
     clients: list[ClientResult]
-    recovery: dict[str, list[float]]
-    """Fault class -> recovery time (s) of each fault of that class that hit a client."""
     struck: list[tuple[Fault, float | None]] = field(default_factory=list)
     """Every fault with its recovery (None: it caught no client waiting)."""
+
+    @property
+    def recovery(self) -> dict[str, list[float]]:
+        """Fault class -> recovery time (s) of each fault of that class that hit a client."""
+        recovery: dict[str, list[float]] = {}
+        for fault, took in self.struck:
+            if took is not None:
+                recovery.setdefault(fault.kind, []).append(took)
+        return recovery
 
     def over_bound(self) -> dict[str, float]:
         """The classes with a fault slower than its bound, with the slowest such
@@ -137,12 +144,7 @@ def check(
     histories: Sequence[History], faults: Iterable[Fault] = (), *, stall_s: float = 20.0
 ) -> Verdict:
     results = [_check_client(h, stall_s) for h in histories]
-    struck = _recovery(histories, list(faults))
-    recovery: dict[str, list[float]] = {}
-    for fault, took in struck:
-        if took is not None:
-            recovery.setdefault(fault.kind, []).append(took)
-    return Verdict(results, recovery, struck)
+    return Verdict(results, _recovery(histories, list(faults)))
 
 
 class _ClientCheck:

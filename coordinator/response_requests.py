@@ -18,7 +18,8 @@ A response's own options reach the model stage as a ``next_response``
 conversation edit (``options_edit``). The request itself, with what only the
 client sees of the response (its ``metadata``, whether it is out of band), is
 journaled before its commit as a ``duplexq.response.requested`` notice: the
-translator creates the response there (``coordinator.responses``), and
+translator creates the response there unless another one is streaming
+(``coordinator.responses``), and
 ``RequestedResponses`` takes the notice out of the events it frames and applies
 it to them: ``metadata`` on
 ``response.created`` and ``response.done``; an out-of-band response's items

@@ -40,7 +40,7 @@ from tests.browser_helpers import DemoPage, demo_page, write_speech_wav, write_t
 from tests.otlp_receiver import otlp_receiver
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.processes import ROOT
-from tests.realtime_helpers import serving
+from tests.realtime_helpers import serving, streaming_echo
 from workers.backends.asr import AsrBackend
 from workers.backends.echo import EchoBackend
 from workers.backends.tts import TtsBackend
@@ -127,14 +127,12 @@ class RecordingEcho(EchoBackend):
         await super().absorb(ctx, event)
 
 
-def streaming_echo() -> PipelineConfig:
-    """Echo streaming its answers; typed text answered when asked, as the shipped echo
-    and a model answer it (answered at once, a typed turn's answer or its function call
-    could begin before its ``response.create`` is taken, in the response before)."""
-    options = {"chunks": 4, "step_ms": 5, "when_asked": True}
-    return PipelineConfig(
-        name="browser-echo", stages=(StageConfig(name="echo", to_client=True, options=options),)
-    )
+def browser_echo() -> PipelineConfig:
+    """Echo streaming its answers in short steps; typed text answered when asked, as the
+    shipped echo and a model answer it (answered at once, a typed turn's answer or its
+    function call could begin before its ``response.create`` is taken, in the response
+    before)."""
+    return streaming_echo(chunks=4, step_ms=5)
 
 
 async def click_interrupt(demo: DemoPage) -> dict[str, Any]:
@@ -163,7 +161,7 @@ def dominant_hz(samples: np.ndarray, rate: int) -> float:
 
 
 async def test_echo_page_captures_plays_and_interrupts(settings, wav):
-    pipeline = streaming_echo()
+    pipeline = browser_echo()
     backend = RecordingEcho(pipeline.stages[0].options)
     async with (
         serving(settings, pipeline) as base,
@@ -378,7 +376,7 @@ async def _panes(demo: DemoPage) -> dict[str, Any]:
 async def test_the_page_offers_a_tool_runs_the_call_and_shows_it(settings, wav):
     """The echo thinker calls the session's first tool for a ``call:`` message (and
     echoes the microphone's audio, muted here, as answers of its own)."""
-    pipeline = streaming_echo()
+    pipeline = browser_echo()
     async with (
         serving(settings, pipeline) as base,
         running_worker(settings, pipeline, "echo"),
@@ -433,7 +431,7 @@ async def _notice(demo: DemoPage, element: str) -> dict[str, Any]:
 
 
 async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(settings, wav):
-    pipeline = streaming_echo()
+    pipeline = browser_echo()
     backend = LoadingEcho(pipeline.stages[0].options, "echo-model", fallback=False)
     async with serving(settings, pipeline) as base, demo_page(http(base), wav) as demo:
         # No worker yet: the page names the stage as loading.
@@ -466,7 +464,7 @@ async def test_the_page_shows_the_models_loading_until_every_stage_is_ready(sett
 
 
 async def test_the_page_announces_a_stage_serving_the_random_weight_fallback(settings, wav):
-    pipeline = streaming_echo()
+    pipeline = browser_echo()
     backend = LoadingEcho(pipeline.stages[0].options, "package:smollm2", fallback=True)
     backend.gate.set()
     async with (
