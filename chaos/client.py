@@ -179,7 +179,7 @@ class ChaosClient:
             self._call, self._result_for, self._result_acked = None, None, False
             self._record("send", attempt=attempt, detail="tool" if tool else "")
             await self._send_input(attempt, tool)
-            if await self._answer(plan):
+            if await self._answer(plan, tool):
                 return
             # The socket died before the server acknowledged the attempt: send it again.
 
@@ -189,9 +189,9 @@ class ChaosClient:
             return None
         return self.rng.randint(0, BLOCKS)
 
-    async def _answer(self, cancel_after: int | None) -> bool:
+    async def _answer(self, cancel_after: int | None, tool: bool = False) -> bool:
         """Wait for the outstanding answer (cancelling it as planned); False when the
-        attempt must be sent again."""
+        attempt must be sent again. ``tool``: the input asks for a function call."""
         deadline = time.monotonic() + self.config.wait_s
         cancel_sent = False
         while time.monotonic() < deadline:
@@ -204,11 +204,13 @@ class ChaosClient:
                 lost = self.cancel_epoch <= self._cancel_from and not self._cancel_refused
                 if cancel_sent and lost:
                     await self._cancel()  # it may have been lost with the socket
-                if self._call is not None and not self._call_ended and not cancel_sent:
+                call_open = self._call is None or not self._call_ended
+                if tool and call_open and self._result_for is None and not cancel_sent:
                     # The call's response ends with the answer that its response.create
-                    # asked for; that request may have been refused on the lost socket
-                    # (an error is not journaled, so the resume cannot bring it): asked
-                    # again. Taken twice, the second gets an empty answer.
+                    # asked for; that request may have been lost with the socket after
+                    # the item was taken, or refused on it (an error is not journaled,
+                    # so the resume cannot bring it), whether or not the call has come
+                    # yet: asked again. Taken twice, the second gets an empty answer.
                     await self._send({"type": "response.create"})
             if cancel_sent and (self.cancel_epoch > self._cancel_from or self._cancel_refused):
                 return True
