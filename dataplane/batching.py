@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
@@ -130,6 +130,45 @@ def multi_script(script: str) -> Multi:
     text = f"local KEYS, ARGV = KEYS, ARGV\n{shared}\nlocal function run()\n{own}\nend\n"
     loop = _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish)
     return Multi(flags + text + loop)
+
+
+def multi_of(multis: dict[str, Multi], script: Any) -> Multi:
+    """``script``'s multi form, made once and kept in ``multis`` (by the script's sha)."""
+    multi = multis.get(script.sha)
+    if multi is None:
+        multi = multis[script.sha] = multi_script(script.script)
+    return multi
+
+
+def group_command(group: Sequence[Call], multi: Callable[[Any], Multi]) -> tuple[Any, ...]:
+    """One EVALSHA for ``group``, calls of one script: the script itself for a lone
+    call, its multi form (``multi(script)``) for several."""
+    if len(group) == 1:
+        call = group[0]
+        return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+    keys: list[Any] = []
+    nkeys, nargs = len(group[0].keys), len(group[0].args)
+    if all(len(c.keys) == nkeys and len(c.args) == nargs for c in group):
+        args: list[Any] = [-len(group), nkeys, nargs]
+        for call in group:
+            keys += call.keys
+            args += call.args
+    else:
+        args = [len(group)]
+        for call in group:
+            keys += call.keys
+            args += (len(call.keys), len(call.args), *call.args)
+    return ("EVALSHA", multi(group[0].script).sha, len(keys), *keys, *args)
+
+
+def group_replies(group: Sequence[Call], reply: Any) -> list[Any]:
+    """Each call's reply from its group's one reply: a lone call's own; a multi's, one
+    per call; an error reply (the whole EVALSHA refused) every call's."""
+    if len(group) == 1:
+        return [reply]
+    if isinstance(reply, BaseException):
+        return [reply] * len(group)
+    return list(reply)
 
 
 _Started = tuple[dict[str, list["Call"]], int, Any]
@@ -289,41 +328,16 @@ class ScriptBatcher:
         for group, reply in zip(groups.values(), replies, strict=True):
             if isinstance(reply, NoScriptError):
                 missing += group
-            elif len(group) == 1:
-                settle(group[0], reply)
-            elif isinstance(reply, BaseException):
-                for call in group:
-                    settle(call, reply)
-            else:
-                for call, each in zip(group, reply, strict=True):
-                    settle(call, each)
+                continue
+            for call, each in zip(group, group_replies(group, reply), strict=True):
+                settle(call, each)
         return missing
 
     def _command(self, group: list[Call]) -> tuple[Any, ...]:
-        """One EVALSHA for ``group``, calls of one script: the script itself for a lone
-        call, its multi form for several."""
-        if len(group) == 1:
-            call = group[0]
-            return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-        keys: list[Any] = []
-        nkeys, nargs = len(group[0].keys), len(group[0].args)
-        if all(len(c.keys) == nkeys and len(c.args) == nargs for c in group):
-            args: list[Any] = [-len(group), nkeys, nargs]
-            for call in group:
-                keys += call.keys
-                args += call.args
-        else:
-            args = [len(group)]
-            for call in group:
-                keys += call.keys
-                args += (len(call.keys), len(call.args), *call.args)
-        return ("EVALSHA", self._multi(group[0].script).sha, len(keys), *keys, *args)
+        return group_command(group, self._multi)
 
     def _multi(self, script: Any) -> Multi:
-        multi = self._multis.get(script.sha)
-        if multi is None:
-            multi = self._multis[script.sha] = multi_script(script.script)
-        return multi
+        return multi_of(self._multis, script)
 
     async def _load(self, scripts: Iterable[Any]) -> None:
         for script in scripts:

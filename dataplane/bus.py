@@ -49,7 +49,7 @@ from dataplane.batching import RedisPyPipe, ScriptBatcher, split_flags
 from dataplane.cluster import cluster_client
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
-from dataplane.node_lanes import NodeLanes
+from dataplane.node_lanes import NodeLanes, SlotReader
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
@@ -121,7 +121,7 @@ def parse_raw_read_reply(reply: Any) -> list[Entry]:
     return entries
 
 
-Reader = Lane | aioredis.Redis
+Reader = Lane | SlotReader | aioredis.Redis
 """A dedicated connection for blocking reads (``RedisBus.stream_reader``)."""
 
 
@@ -222,14 +222,19 @@ class RedisBus:
         self._batcher = ScriptBatcher(self.lane or RedisPyPipe(self.client), linger_ms, batch_size)
         """Script calls made in the same loop turn share one round trip (``batch_size``:
         a batch that big goes at once, the rest of the turn's calls in the next)."""
-        self._replicated = ReplicatedRunner(self.client) if self.cluster else None
-        """On a cluster, scripts are acknowledged once a replica has their writes."""
-        self._node_lanes = (
-            NodeLanes(self.client, timeout_s=command_timeout,
-                      connect_timeout_s=self._connect_timeout)
-            if url.startswith("redis+cluster://") else None
-        )  # fmt: skip
+        plain_cluster = url.startswith("redis+cluster://")
+        self._node_lanes = self._lanes_per_node(command_timeout) if plain_cluster else None
         """On a plain-TCP cluster, reads of many streams go over a lane per node."""
+        self._replicated = (
+            ReplicatedRunner(
+                self.client,
+                lanes=self._lanes_per_node(command_timeout) if plain_cluster else None,
+            )
+            if self.cluster
+            else None
+        )
+        """On a cluster, scripts are acknowledged once a replica has their writes (on a
+        plain-TCP one, sent over lanes, a batch in flight on each: ``dataplane.replicated``)."""
         self.open_script = self._register(scripts.OPEN)
         self.append_script = self._register(scripts.APPEND)
         self.accept_script = self._register(scripts.ACCEPT)
@@ -252,6 +257,11 @@ class RedisBus:
         if self._replicated is not None:
             self._replicated.no_wait(self.renew_script)
 
+    def _lanes_per_node(self, command_timeout: float) -> NodeLanes:
+        return NodeLanes(
+            self.client, timeout_s=command_timeout, connect_timeout_s=self._connect_timeout
+        )
+
     def _register(self, body: str) -> Any:
         flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only
         return self.client.register_script(flags + scripts.PRELUDE + rest)
@@ -268,7 +278,13 @@ class RedisBus:
 
     def stream_reader(self, block_ms: int) -> Reader:
         """A dedicated connection for blocking XREADs of up to ``block_ms`` (``xread``):
-        a lane of its own where the bus has lanes."""
+        a lane of its own where the bus has lanes; on a plain-TCP cluster, for one slot's
+        streams, a lane to the node serving it (``dataplane.node_lanes.SlotReader``)."""
+        if self.lane is None and self._node_lanes is not None:
+            conn = SlotReader(self._node_lanes, self.reader(block_ms))
+            self._readers.remove(conn.fallback)  # closed by the slot reader
+            self._readers.append(conn)
+            return conn
         if self.lane is None:
             return self.reader(block_ms)
         lane = self._lane()
@@ -296,6 +312,8 @@ class RedisBus:
             await self.lane.aclose()
         if self._node_lanes is not None:
             await self._node_lanes.aclose()
+        if self._replicated is not None:
+            await self._replicated.aclose()
         await self.client.aclose()
 
     async def ping(self) -> bool:
@@ -369,6 +387,11 @@ class RedisBus:
     ) -> list[Entry]:
         if not streams:
             return []
+        if isinstance(conn, SlotReader):
+            return await conn.read(
+                streams, count, block_ms, parse_raw_read_reply,
+                lambda fallback: self.xread(fallback, streams, count, block_ms),
+            )  # fmt: skip
         if isinstance(conn, Lane):
             block = () if block_ms is None else ("BLOCK", block_ms)
             reply = await conn.execute(

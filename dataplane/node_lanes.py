@@ -16,9 +16,11 @@ redirection or a failover. A group that meets any of those here (``MOVED``,
 through redis-py's client, which follows the redirection or waits out the
 failover with its retries (``dataplane.cluster``); a node's lane never
 retries on its own, so a dead node costs one failed write, not a lane's
-backoff. Only stream reads go this way: scripts wait for a replica's
-acknowledgement with ``WAIT``, which would hold every command behind it on a
-shared connection (``dataplane.replicated``).
+backoff. These shared lanes carry only reads that do not block: a blocking
+read holds its connection, and so does a script batch's ``WAIT`` for a
+replica. The bells' blocking reads each have a lane of their own
+(``SlotReader``), and script batches a lane each while in flight, from a pool
+per node (``dataplane.replicated``), both made by ``NodeLanes.new_lane``.
 
 ``tests/test_cluster.py`` reads streams on every primary this way, after a
 slot moved, and after a primary died.
@@ -33,7 +35,7 @@ from urllib.parse import quote
 
 from redis.cluster import ClusterParser
 from redis.crc import key_slot
-from redis.exceptions import AskError, MovedError, ReadOnlyError
+from redis.exceptions import AskError, MovedError, ReadOnlyError, ResponseError
 
 from dataplane.cluster import FAILOVER_ERRORS
 from dataplane.lane import Lane
@@ -56,19 +58,24 @@ class NodeLanes:
         """Node name (host:port) -> its lane."""
 
     def lane(self, node: Any) -> Lane:
+        """The node's lane (the same one each time)."""
         lane = self._lanes.get(node.name)
         if lane is None:
-            kwargs = node.connection_kwargs
-            user, password = kwargs.get("username"), kwargs.get("password")
-            auth = ""
-            if password is not None:
-                auth = f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
-            lane = Lane(
-                f"redis://{auth}{node.host}:{node.port}", timeout_s=self.timeout_s,
-                connect_timeout_s=self.connect_timeout_s, retries=0,
-            )  # fmt: skip
-            self._lanes[node.name] = lane
+            lane = self._lanes[node.name] = self.new_lane(node)
         return lane
+
+    def new_lane(self, node: Any) -> Lane:
+        """A lane to ``node`` that its caller owns (and closes), with these timeouts and
+        the client's credentials; it never retries on its own."""
+        kwargs = node.connection_kwargs
+        user, password = kwargs.get("username"), kwargs.get("password")
+        auth = ""
+        if password is not None:
+            auth = f"{quote(user or '', safe='')}:{quote(password, safe='')}@"
+        return Lane(
+            f"redis://{auth}{node.host}:{node.port}", timeout_s=self.timeout_s,
+            connect_timeout_s=self.connect_timeout_s, retries=0,
+        )  # fmt: skip
 
     async def read_now(
         self,
@@ -117,7 +124,7 @@ class NodeLanes:
         for group, reply in zip(groups, replies, strict=True):
             if not isinstance(reply, Exception):
                 out += parse(reply)
-            elif isinstance(reply, ELSEWHERE) or isinstance(_named(reply), ELSEWHERE):
+            elif isinstance(reply, ELSEWHERE) or isinstance(named_error(reply), ELSEWHERE):
                 out += await again(group)
             else:
                 raise reply
@@ -129,8 +136,75 @@ class NodeLanes:
             await lane.aclose()
 
 
-def _named(reply: Exception) -> Exception:
+class SlotReader:
+    """Blocking reads of one slot's streams (a group of bells) over a lane of its own to
+    the node serving the slot, instead of redis-py's cluster client: a blocking read
+    holds its connection, and on a cluster each slot's bells have a reader of their own,
+    read about once per event; through redis-py each of those reads was the largest
+    share of a worker's and a coordinator's CPU. A read that meets a redirection, a
+    failover or a lost connection is made through ``fallback`` (redis-py's, which
+    follows it and learns the slot map again); the next read finds the slot's node
+    again."""
+
+    def __init__(self, lanes: NodeLanes, fallback: Any) -> None:
+        self.lanes = lanes
+        self.fallback = fallback
+        """A redis-py cluster client for blocking reads (``RedisBus.reader``)."""
+        self._lane: Lane | None = None
+        self._node = ""
+
+    async def read(
+        self,
+        streams: Mapping[str, str],
+        count: int,
+        block_ms: int | None,
+        parse: Callable[[Any], list[T]],
+        again: Callable[[Any], Awaitable[list[T]]],
+    ) -> list[T]:
+        """XREAD ``streams`` (all in one slot), blocking up to ``block_ms``; the raw
+        reply parsed by ``parse``, or the read made by ``again(fallback)``."""
+        slot = key_slot(next(iter(streams)).encode())
+        try:
+            node = self.lanes.cluster.nodes_manager.get_node_from_slot(slot)
+        except ELSEWHERE:
+            return await self._elsewhere(again)
+        if node.name != self._node or self._lane is None:
+            if self._lane is not None:
+                await self._lane.aclose()
+            self._lane, self._node = self.lanes.new_lane(node), node.name
+        block = () if block_ms is None else ("BLOCK", block_ms)
+        try:
+            reply = await self._lane.execute(
+                "XREAD", "COUNT", count, *block, "STREAMS", *streams, *streams.values(),
+                extra_timeout_s=(block_ms or 0) / 1000,
+            )  # fmt: skip
+        except ELSEWHERE:
+            return await self._elsewhere(again)
+        except ResponseError as exc:
+            if isinstance(named_error(exc), ELSEWHERE):
+                return await self._elsewhere(again)
+            raise
+        return parse(reply)
+
+    async def _elsewhere(self, again: Callable[[Any], Awaitable[list[T]]]) -> list[T]:
+        """The read through ``fallback``; then the client that the lanes' nodes come
+        from learns the slot map again (the fallback learnt it for itself only), so the
+        next read finds the slot's node."""
+        entries = await again(self.fallback)
+        await self.lanes.cluster.refresh()
+        return entries
+
+    async def aclose(self) -> None:
+        if self._lane is not None:
+            await self._lane.aclose()
+            self._lane = None
+        await self.fallback.aclose()
+
+
+def named_error(reply: Exception) -> Exception:
     """The cluster's error for an error reply: a lane names MOVED, ASK, CLUSTERDOWN...
-    as a plain ``ResponseError``."""
+    as a plain ``ResponseError`` (and NOSCRIPT, READONLY, OOM as redis-py does)."""
+    if type(reply) is not ResponseError:
+        return reply  # named already (NoScriptError, ReadOnlyError...) or not a reply
     error = ClusterParser.parse_error(str(reply))
     return error if isinstance(error, Exception) else reply

@@ -38,6 +38,14 @@ same call is sent again (on its own, out of its batch), and a script that had
 landed recognises the repeat (``dataplane.scripts``), so a caller never sees an
 error for a write that may have landed while a retry could still tell.
 
+On a plain-TCP cluster the batches go over lanes (``dataplane.lane``: replies
+parsed by hiredis) instead of redis-py's cluster connections, whose reply
+parsing in Python was a large share of a process's CPU per event. A ``WAIT``
+holds its connection (Redis runs nothing sent after it on that connection until
+it returns: a second or more when a replica is slow or cut off), so each batch
+in flight has a lane of its own, taken from a pool per node as from a pool of
+connections; a lease renewal never queues behind a ``WAIT``.
+
 A node at its ``maxmemory`` refuses a script's first write and the script writes
 nothing: that is raised at once as ``RedisFullError`` (``dataplane.full``), not retried.
 """
@@ -47,14 +55,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from typing import Any
 
+from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
-from dataplane.batching import MAX_BATCH, Call, settle
+from dataplane.batching import (
+    MAX_BATCH,
+    Call,
+    Multi,
+    group_command,
+    group_replies,
+    multi_of,
+    settle,
+)
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S
 from dataplane.full import full_error, refused_for_memory
+from dataplane.lane import Lane
 from dataplane.metrics import UNREPLICATED_WRITES
+from dataplane.node_lanes import NodeLanes, named_error
 
 REPLICA_CHECK_S = 1.0
 """How long a primary's replica count is trusted before it is asked again."""
@@ -76,9 +96,25 @@ RETRIED: tuple[type[BaseException], ...] = (
 class ReplicatedRunner:
     """Runs scripts on a cluster client with a replica's acknowledgement."""
 
-    def __init__(self, cluster: Any, *, wait_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        *,
+        wait_ms: int = 1000,
+        lanes: NodeLanes | None = None,
+    ) -> None:
         self.cluster = cluster
         self.wait_ms = wait_ms
+        self.lanes = lanes
+        """Where lanes to a node come from (None: redis-py's connections are used, as
+        on a TLS cluster)."""
+        self._multis: dict[str, Multi] = {}
+        """Each script's multi form, by the script's sha."""
+        self._loaded: set[tuple[str, str]] = set()
+        """(node name, multi sha): multi forms sent to a node already."""
+        self._free_lanes: dict[str, list[Lane]] = {}
+        """Node name -> its lanes with no batch in flight."""
+        self._all_lanes: list[Lane] = []
         self._replicas: dict[str, tuple[float, int]] = {}
         """Node name -> (when asked, connected replicas)."""
         self._pending: list[Call] = []
@@ -202,27 +238,84 @@ class ReplicatedRunner:
     async def _once(self, node: Any, calls: list[Call]) -> list[Any]:
         """Send ``calls`` to ``node`` and, where it has a replica and they are not
         ``no_wait`` calls, ``WAIT 1`` after them; each call's reply (an error reply as its
-        exception, not raised)."""
-        if calls[0].script.sha in self.unacknowledged:  # a batch holds one kind of call
-            return await self._send(node, [_evalsha(c) for c in calls], raise_on_error=False)
-        replicas = await self._replica_count(node)
-        commands = [_evalsha(c) for c in calls]
-        if replicas:
-            commands.append(("WAIT", 1, self.wait_ms))
-        replies = await self._send(node, commands, raise_on_error=False)
-        if not replicas:
+        exception, not raised). Several calls of one script in one slot go as one call
+        of its multi form, as on one Redis (``dataplane.batching``): a script call's
+        fixed cost in Redis, and the rings its streams' bells get, once per group."""
+        groups: dict[tuple[str, int], list[Call]] = {}
+        for call in calls:
+            slot = key_slot(call.keys[0].encode()) if call.keys else -1
+            groups.setdefault((call.script.sha, slot), []).append(call)
+        loads = self._multi_loads(node, groups.values())
+        commands = [*loads, *(group_command(g, self._multi) for g in groups.values())]
+        replicas = 0
+        if calls[0].script.sha not in self.unacknowledged:  # a batch holds one kind of call
+            replicas = await self._replica_count(node)
+            if replicas:
+                commands.append(("WAIT", 1, self.wait_ms))
+        replies = await self._send(node, commands, raise_on_error=False, waits=bool(replicas))
+        acknowledged = calls[0].script.sha not in self.unacknowledged
+        if acknowledged and not replicas:
             UNREPLICATED_WRITES.inc(len(calls))
-        elif isinstance(replies[-1], BaseException) or int(replies[-1]) < 1:
+        elif replicas and (isinstance(replies[-1], BaseException) or int(replies[-1]) < 1):
             self._replicas.pop(node.name, None)  # ask again next time
             raise NotReplicatedError(f"no replica of {node.name} acknowledged in time")
-        return replies[: len(calls)]
+        each: dict[int, Any] = {}
+        for group, reply in zip(groups.values(), replies[len(loads) :], strict=False):
+            if len(group) > 1 and isinstance(reply, NoScriptError):
+                # The node lost its scripts (a restart): the multi is loaded again next
+                # time; the calls go again one by one, their own script loaded.
+                self._loaded.discard((node.name, self._multi(group[0].script).sha))
+            for call, one in zip(group, group_replies(group, reply), strict=True):
+                each[id(call)] = one
+        return [each[id(call)] for call in calls]
+
+    def _multi(self, script: Any) -> Multi:
+        return multi_of(self._multis, script)
+
+    def _multi_loads(self, node: Any, groups: Iterable[list[Call]]) -> list[tuple[Any, ...]]:
+        """SCRIPT LOAD of each multi form ``groups`` use that ``node`` was not sent yet,
+        to go ahead of them in the same round trip."""
+        loads: list[tuple[Any, ...]] = []
+        for group in groups:
+            if len(group) > 1:
+                multi = self._multi(group[0].script)
+                if (node.name, multi.sha) not in self._loaded:
+                    self._loaded.add((node.name, multi.sha))
+                    loads.append(("SCRIPT", "LOAD", multi.script))
+        return loads
 
     async def _send(
-        self, node: Any, commands: list[tuple[Any, ...]], *, raise_on_error: bool = True
+        self,
+        node: Any,
+        commands: list[tuple[Any, ...]],
+        *,
+        raise_on_error: bool = True,
+        waits: bool = False,
     ) -> list[Any]:
         """Send ``commands`` on one connection in one round trip; read every reply
         (keeping the connection in step). An error reply is raised (the first one), or
-        with ``raise_on_error=False`` left in its place."""
+        with ``raise_on_error=False`` left in its place (as redis-py's cluster error:
+        ``MOVED`` as ``MovedError``...). ``waits``: the commands end with a ``WAIT``
+        (the lane's timeout allows for it)."""
+        if self.lanes is not None:
+            extra_s = self.wait_ms / 1000 if waits else 0.0
+            lane = self._take_lane(node)
+            try:
+                raw = await lane.pipeline(commands, extra_timeout_s=extra_s)
+            finally:
+                self._free_lanes.setdefault(node.name, []).append(lane)
+            replies = [named_error(r) if isinstance(r, Exception) else r for r in raw]
+        else:
+            replies = await self._send_redis_py(node, commands)
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, ResponseError):
+                    raise reply
+        return replies
+
+    @staticmethod
+    async def _send_redis_py(node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """``_send`` on one of redis-py's connections to ``node``."""
         conn = node.acquire_connection()
         try:
             await conn.send_packed_command(conn.pack_commands(commands))
@@ -237,11 +330,23 @@ class ReplicatedRunner:
             raise
         finally:
             node._free.append(conn)  # back to the node's pool of free connections
-        if raise_on_error:
-            for reply in replies:
-                if isinstance(reply, ResponseError):
-                    raise reply
         return replies
+
+    def _take_lane(self, node: Any) -> Lane:
+        """A lane to ``node`` with no batch in flight (a new one when all are busy; one
+        whose connection was lost connects again when next used)."""
+        free = self._free_lanes.get(node.name)
+        if free:
+            return free.pop()
+        assert self.lanes is not None
+        lane = self.lanes.new_lane(node)
+        self._all_lanes.append(lane)
+        return lane
+
+    async def aclose(self) -> None:
+        lanes, self._all_lanes, self._free_lanes = self._all_lanes, [], {}
+        for lane in lanes:
+            await lane.aclose()
 
     async def _replica_count(self, node: Any) -> int:
         now = time.monotonic()
@@ -256,7 +361,3 @@ class ReplicatedRunner:
                 count = int(line.split(":", 1)[1])
         self._replicas[node.name] = (now, count)
         return count
-
-
-def _evalsha(call: Call) -> tuple[Any, ...]:
-    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)

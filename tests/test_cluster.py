@@ -18,6 +18,7 @@ import redis
 from coordinator.service import Coordinator
 from dataplane.bus import RedisBus
 from dataplane.cluster import cluster_client, seed_nodes, stream_read_keys
+from dataplane.node_lanes import SlotReader
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import CLIENT, Keys
@@ -166,10 +167,48 @@ async def test_a_read_sent_to_a_node_that_no_longer_serves_its_slot_follows_the_
         await bus.aclose()
 
 
+async def test_a_blocking_read_of_one_slot_goes_over_a_lane_and_follows_a_redirection(
+    redis_cluster,
+):
+    """A stream reader on a cluster (the bells' blocking reads) reads its slot's streams
+    over a lane to the node serving the slot (``dataplane.node_lanes.SlotReader``); a
+    read the node answers with MOVED is read through redis-py's client, which learns
+    where the slot is, and the next read goes over a lane to that node."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        stream = "{bell-moved}b"
+        await bus.client.xadd(stream, {"f": "1"})
+        reader = bus.stream_reader(200)
+        assert isinstance(reader, SlotReader)
+        entries = await bus.xread(reader, {stream: "0"}, 10, 200)
+        assert [e.stream for e in entries] == [stream]
+        owner = redis_cluster.primary_of(stream)
+        assert reader._lane is not None and reader._lane.port == owner.port
+        manager = bus.client.nodes_manager  # type: ignore[attr-defined]
+        slot = bus.client.keyslot(stream)  # type: ignore[attr-defined]
+        wrong = next(
+            node for node in manager.nodes_cache.values()
+            if node.server_type == "primary" and node.port != owner.port
+        )  # fmt: skip
+        manager.slots_cache[slot] = [wrong]
+        entries = await bus.xread(reader, {stream: "0"}, 10, 200)
+        assert [e.stream for e in entries] == [stream]
+        assert manager.get_node_from_slot(slot).port == owner.port
+        last = entries[0].id
+        waiting = asyncio.create_task(bus.xread(reader, {stream: last}, 10, 2000))
+        await asyncio.sleep(0.1)
+        await bus.client.xadd(stream, {"f": "2"})
+        assert [e.fields[b"f"] for e in await waiting] == [b"2"]
+        assert reader._lane.port == owner.port
+    finally:
+        await bus.aclose()
+
+
 async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(redis_cluster):
     """Calls made together are sent to each primary as one batch closed by one ``WAIT 1``
     (``dataplane.replicated``): a round trip and a replica acknowledgement per primary,
-    not per call. Each call still gets its own reply, an error reply only its own."""
+    not per call, over a lane to it. Each call still gets its own reply, an error reply
+    only its own."""
     bus = RedisBus(redis_cluster.url)
     try:
         incr = bus.register("return redis.call('INCR', KEYS[1])")
@@ -196,6 +235,45 @@ async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(red
         calls = _command_calls(redis_cluster)
         assert calls["cmdstat_evalsha"] == 41
         assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
+        # They went over lanes (replies parsed by hiredis), one per batch in flight.
+        runner = bus._replicated
+        assert runner is not None and {lane.where for lane in runner._all_lanes} == {
+            f"{node.host}:{node.port}" for node in bus.client.get_primaries()
+        }
+    finally:
+        await bus.aclose()
+
+
+async def test_calls_of_one_script_in_one_slot_go_as_one_call_of_its_multi_form(redis_cluster):
+    """Calls of one script whose keys share a slot run as one EVALSHA of the script's
+    multi form (``dataplane.batching``), as on one Redis: a script call's fixed cost,
+    and its bells' rings, once per group. Each call keeps its own reply, an error only
+    its own; a node that lost its scripts gets the multi again."""
+    bus = RedisBus(redis_cluster.url)
+    try:
+        incr = bus.register(
+            "if ARGV[1] == 'no' then return redis.error_reply('refused ' .. KEYS[1]) end "
+            "return redis.call('INCR', KEYS[1])"
+        )
+        names = [f"{{grouped}}n{i}" for i in range(10)]
+        await bus.run(incr, ["{grouped}warm"], ["yes"])  # the plain script, loaded
+        _reset_command_calls(redis_cluster)
+        replies = await asyncio.gather(
+            *(bus.run(incr, [k], ["yes"]) for k in names),
+            bus.run(incr, ["{grouped}x"], ["no"]),
+            return_exceptions=True,
+        )
+        assert replies[:-1] == [[1]] * 10
+        assert isinstance(replies[-1], redis.ResponseError)
+        assert "refused {grouped}x" in str(replies[-1])
+        calls = _command_calls(redis_cluster)
+        assert calls["cmdstat_evalsha"] == 1  # the 11 calls as one multi
+        assert calls["cmdstat_script|load"] == 1  # the multi, ahead of it
+        for node in redis_cluster.nodes:
+            with redis.Redis(port=node.port) as client:
+                client.script_flush()
+        again = await asyncio.gather(*(bus.run(incr, [k], ["yes"]) for k in names))
+        assert again == [[2]] * 10
     finally:
         await bus.aclose()
 
