@@ -282,7 +282,6 @@ class RedisBus:
         streams, a lane to the node serving it (``dataplane.node_lanes.SlotReader``)."""
         if self.lane is None and self._node_lanes is not None:
             conn = SlotReader(self._node_lanes, self.reader(block_ms))
-            self._readers.remove(conn.fallback)  # closed by the slot reader
             self._readers.append(conn)
             return conn
         if self.lane is None:
@@ -389,9 +388,10 @@ class RedisBus:
             return []
         if isinstance(conn, SlotReader):
             return await conn.read(
-                streams, count, block_ms, parse_raw_read_reply,
+                streams,
+                lambda lane: self.xread(lane, streams, count, block_ms),
                 lambda fallback: self.xread(fallback, streams, count, block_ms),
-            )  # fmt: skip
+            )
         if isinstance(conn, Lane):
             block = () if block_ms is None else ("BLOCK", block_ms)
             reply = await conn.execute(

@@ -124,7 +124,7 @@ class NodeLanes:
         for group, reply in zip(groups, replies, strict=True):
             if not isinstance(reply, Exception):
                 out += parse(reply)
-            elif isinstance(reply, ELSEWHERE) or isinstance(named_error(reply), ELSEWHERE):
+            elif elsewhere(reply):
                 out += await again(group)
             else:
                 raise reply
@@ -149,20 +149,19 @@ class SlotReader:
     def __init__(self, lanes: NodeLanes, fallback: Any) -> None:
         self.lanes = lanes
         self.fallback = fallback
-        """A redis-py cluster client for blocking reads (``RedisBus.reader``)."""
+        """A redis-py cluster client for blocking reads (``RedisBus.reader``; its owner
+        closes it)."""
         self._lane: Lane | None = None
         self._node = ""
 
     async def read(
         self,
         streams: Mapping[str, str],
-        count: int,
-        block_ms: int | None,
-        parse: Callable[[Any], list[T]],
+        on_lane: Callable[[Lane], Awaitable[list[T]]],
         again: Callable[[Any], Awaitable[list[T]]],
     ) -> list[T]:
-        """XREAD ``streams`` (all in one slot), blocking up to ``block_ms``; the raw
-        reply parsed by ``parse``, or the read made by ``again(fallback)``."""
+        """The read of ``streams`` (all in one slot) made by ``on_lane`` with the lane to
+        the slot's node, or by ``again(fallback)``."""
         slot = key_slot(next(iter(streams)).encode())
         try:
             node = self.lanes.cluster.nodes_manager.get_node_from_slot(slot)
@@ -172,19 +171,12 @@ class SlotReader:
             if self._lane is not None:
                 await self._lane.aclose()
             self._lane, self._node = self.lanes.new_lane(node), node.name
-        block = () if block_ms is None else ("BLOCK", block_ms)
         try:
-            reply = await self._lane.execute(
-                "XREAD", "COUNT", count, *block, "STREAMS", *streams, *streams.values(),
-                extra_timeout_s=(block_ms or 0) / 1000,
-            )  # fmt: skip
-        except ELSEWHERE:
-            return await self._elsewhere(again)
-        except ResponseError as exc:
-            if isinstance(named_error(exc), ELSEWHERE):
+            return await on_lane(self._lane)
+        except Exception as exc:
+            if elsewhere(exc):
                 return await self._elsewhere(again)
             raise
-        return parse(reply)
 
     async def _elsewhere(self, again: Callable[[Any], Awaitable[list[T]]]) -> list[T]:
         """The read through ``fallback``; then the client that the lanes' nodes come
@@ -198,7 +190,12 @@ class SlotReader:
         if self._lane is not None:
             await self._lane.aclose()
             self._lane = None
-        await self.fallback.aclose()
+
+
+def elsewhere(error: Exception) -> bool:
+    """Whether ``error`` (raised, or an error reply as a lane gives it) means the slot is
+    served elsewhere or the cluster is changing: the read goes redis-py's way."""
+    return isinstance(error, ELSEWHERE) or isinstance(named_error(error), ELSEWHERE)
 
 
 def named_error(reply: Exception) -> Exception:

@@ -247,20 +247,19 @@ class ReplicatedRunner:
             groups.setdefault((call.script.sha, slot), []).append(call)
         loads = self._multi_loads(node, groups.values())
         commands = [*loads, *(group_command(g, self._multi) for g in groups.values())]
-        replicas = 0
-        if calls[0].script.sha not in self.unacknowledged:  # a batch holds one kind of call
-            replicas = await self._replica_count(node)
-            if replicas:
-                commands.append(("WAIT", 1, self.wait_ms))
+        acknowledged = calls[0].script.sha not in self.unacknowledged  # one kind a batch
+        replicas = await self._replica_count(node) if acknowledged else 0
+        if replicas:
+            commands.append(("WAIT", 1, self.wait_ms))
         replies = await self._send(node, commands, raise_on_error=False, waits=bool(replicas))
-        acknowledged = calls[0].script.sha not in self.unacknowledged
         if acknowledged and not replicas:
             UNREPLICATED_WRITES.inc(len(calls))
         elif replicas and (isinstance(replies[-1], BaseException) or int(replies[-1]) < 1):
             self._replicas.pop(node.name, None)  # ask again next time
             raise NotReplicatedError(f"no replica of {node.name} acknowledged in time")
         each: dict[int, Any] = {}
-        for group, reply in zip(groups.values(), replies[len(loads) :], strict=False):
+        own = replies[len(loads) : len(loads) + len(groups)]
+        for group, reply in zip(groups.values(), own, strict=True):
             if len(group) > 1 and isinstance(reply, NoScriptError):
                 # The node lost its scripts (a restart): the multi is loaded again next
                 # time; the calls go again one by one, their own script loaded.

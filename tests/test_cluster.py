@@ -11,6 +11,7 @@ import asyncio
 import gc
 import signal
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -94,6 +95,19 @@ def _reset_command_calls(cluster: RedisCluster) -> None:
             client.config_resetstat()
 
 
+def _map_slot_to_another_primary(bus: RedisBus, key: str, owner: int) -> tuple[Any, int]:
+    """Make the bus's slot map name a primary other than ``owner`` (a port) for
+    ``key``'s slot, as a map out of date after a failover does; the map and the slot."""
+    manager = bus.client.nodes_manager  # type: ignore[attr-defined]
+    slot = bus.client.keyslot(key)  # type: ignore[attr-defined]
+    wrong = next(
+        node for node in manager.nodes_cache.values()
+        if node.server_type == "primary" and node.port != owner
+    )  # fmt: skip
+    manager.slots_cache[slot] = [wrong]
+    return manager, slot
+
+
 async def test_stream_reads_on_a_cluster_go_to_their_node_without_asking_for_keys(
     redis_cluster,
 ):
@@ -153,13 +167,7 @@ async def test_a_read_sent_to_a_node_that_no_longer_serves_its_slot_follows_the_
         for stream in (moved, stays):
             await bus.client.xadd(stream, {"f": stream})
         owner = redis_cluster.primary_of(moved)
-        manager = bus.client.nodes_manager  # type: ignore[attr-defined]
-        slot = bus.client.keyslot(moved)  # type: ignore[attr-defined]
-        wrong = next(
-            node for node in manager.nodes_cache.values()
-            if node.server_type == "primary" and node.port != owner.port
-        )  # fmt: skip
-        manager.slots_cache[slot] = [wrong]
+        manager, slot = _map_slot_to_another_primary(bus, moved, owner.port)
         entries = await bus.xread_now({moved: "0", stays: "0"}, 10)
         assert sorted(e.stream for e in entries) == [moved, stays]
         assert manager.get_node_from_slot(slot).port == owner.port
@@ -184,13 +192,7 @@ async def test_a_blocking_read_of_one_slot_goes_over_a_lane_and_follows_a_redire
         assert [e.stream for e in entries] == [stream]
         owner = redis_cluster.primary_of(stream)
         assert reader._lane is not None and reader._lane.port == owner.port
-        manager = bus.client.nodes_manager  # type: ignore[attr-defined]
-        slot = bus.client.keyslot(stream)  # type: ignore[attr-defined]
-        wrong = next(
-            node for node in manager.nodes_cache.values()
-            if node.server_type == "primary" and node.port != owner.port
-        )  # fmt: skip
-        manager.slots_cache[slot] = [wrong]
+        manager, slot = _map_slot_to_another_primary(bus, stream, owner.port)
         entries = await bus.xread(reader, {stream: "0"}, 10, 200)
         assert [e.stream for e in entries] == [stream]
         assert manager.get_node_from_slot(slot).port == owner.port
