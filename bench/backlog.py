@@ -33,6 +33,7 @@ from bench.common import (
 from bench.load import chunk, open_sessions
 from coordinator.replay import replay_session
 from coordinator.service import Coordinator
+from dataplane import session_meta
 from schemas.config import echo_pipeline
 from schemas.events import InputMode
 
@@ -53,10 +54,7 @@ async def _fill(coordinator: Coordinator, ids: list[str], per_session: int) -> f
 
 
 async def _applied(coordinator: Coordinator, ids: list[str]) -> int:
-    pipe = coordinator.bus.client.pipeline(transaction=False)
-    for sid in ids:
-        pipe.hget(coordinator.bus.keys.session(sid).meta, f"{STAGE}:applied")
-    return sum(int(v or 0) for v in await pipe.execute())
+    return sum(await session_meta.applied_by_many(coordinator.bus, ids, STAGE))
 
 
 async def _output_span_s(coordinator: Coordinator, ids: list[str]) -> float:

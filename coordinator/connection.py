@@ -51,6 +51,7 @@ from coordinator.resume import replay_journal
 from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
 from coordinator.turn_trace import TurnTrace
+from dataplane import session_meta
 from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
 from schemas.errors import (
     AuthError,
@@ -303,9 +304,7 @@ class Connection:
 
     async def _stored_config(self) -> SessionConfig:
         """The session's configuration as its last ``session.update`` left it."""
-        sk = self.coordinator.bus.keys.session(self.session_id)
-        raw = (await self.coordinator.bus.hmget(sk.meta, ["config"]))[0]
-        return SessionConfig.model_validate_json(raw) if raw else SessionConfig()
+        return await session_meta.config(self.coordinator.bus, self.session_id)
 
     async def _session_for_token(self, token: str) -> str:
         bus = self.coordinator.bus
@@ -478,9 +477,8 @@ class Connection:
         counts every reserved response as in progress: it never refuses wrongly."""
         if self.translator.active is not None:
             return True
-        sk = self.coordinator.bus.keys.session(self.session_id)
-        reserved = (await self.coordinator.bus.hmget(sk.meta, ["resp"]))[0]
-        return int(reserved or 0) > self._ended_up_to
+        reserved = await session_meta.reserved_response(self.coordinator.bus, self.session_id)
+        return reserved > self._ended_up_to
 
     async def _commit(self) -> Fence:
         """The client's commit ends the user's turn; the fence of the response it reserved."""
@@ -551,9 +549,7 @@ class Connection:
 
     async def _applied_by_first_stages(self) -> int:
         firsts = [s.name for s in self.hub.pipeline.stages if s.input == "session"]
-        sk = self.coordinator.bus.keys.session(self.session_id)
-        raw = await self.coordinator.bus.hmget(sk.meta, [f"{n}:applied" for n in firsts])
-        return min(int(v or 0) for v in raw)
+        return min(await session_meta.applied(self.coordinator.bus, self.session_id, firsts))
 
     # -- session -> client ---------------------------------------------------------
 

@@ -68,6 +68,7 @@ from coordinator.control_core import (
 )
 from coordinator.replay import LogProgress, replay_greedily, replay_session
 from coordinator.stack_state import add_workdir_option
+from dataplane import session_meta
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig, Settings
@@ -137,8 +138,7 @@ def _state(ctx: Mapping[str, Any]) -> ControlState:
 
 
 async def _status(state: ControlState, session_id: str) -> str | None:
-    raw = (await state.bus.hmget(state.keys.session(session_id).meta, ["status"]))[0]
-    return raw.decode() if raw is not None else None
+    return await session_meta.status(state.bus, session_id)
 
 
 async def _live_workers(state: ControlState, stage: str, now: int) -> int:
@@ -177,13 +177,13 @@ async def audit_leases(ctx: dict[str, Any]) -> dict[str, int]:
     async for session_id, indexed_ms in state.sessions():
         sk = state.keys.session(session_id)
         async with state.bus.client.pipeline(transaction=False) as pipe:
-            pipe.hmget(sk.meta, ["status", "att_until"])
+            session_meta.queue_attachment_read(pipe, state.bus, session_id)
             for stage in stages:
                 pipe.exists(sk.lease(stage))
-            (raw_status, raw_until), *held = await pipe.execute()
-        status = raw_status.decode() if raw_status is not None else None
+            attachment, *held = await pipe.execute()
+        status, until = session_meta.attachment_of(attachment)
         leased = dict(zip(stages, map(bool, held), strict=True))
-        detached = now - int(raw_until) if raw_until else None
+        detached = now - until if until is not None else None
         plan = plan_audit(status, leased, now - indexed_ms, detached, grace_ms)
         if plan.forget:
             await state.bus.client.zrem(state.keys.sessions, session_id)
@@ -257,12 +257,12 @@ async def trim_stream(
 
 async def _trim_session(state: ControlState, session_id: str) -> int:
     sk = state.keys.session(session_id)
-    progress = await state.bus.hgetall(sk.meta)  # with each stage's read position
+    snapshot = await session_meta.snapshot(state.bus, session_id)
     settings = state.settings
     aged = age_floor(now_ms(), settings.retention_s)
     removed = 0
     for source, consumers in stream_consumers(state.pipeline).items():
-        reads = [progress.get(f"{consumer}:read") for consumer in consumers]
+        reads = [snapshot and snapshot.read(consumer) for consumer in consumers]
         if source == SESSION_INPUT:
             stream, keep = sk.input, settings.input_retention
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dataplane import session_meta
 from dataplane.bus import RedisBus
 from schemas.config import SESSION_INPUT, PipelineConfig
 from schemas.fence import Fence
@@ -36,38 +37,27 @@ async def list_sessions(bus: RedisBus, limit: int = 100) -> list[str]:
 
 async def inspect_session(bus: RedisBus, pipeline: PipelineConfig, session_id: str) -> SessionView:
     sk = bus.keys.session(session_id)
-    meta = await bus.hgetall(sk.meta)
-    if not meta:
+    meta = await session_meta.snapshot(bus, session_id)
+    if meta is None:
         raise KeyError(f"no session {session_id!r}")
-    progress = meta  # each stage's progress is kept with the fence
-    fence = Fence(
-        session_id,
-        int(meta["inc"]),
-        int(meta["epoch"]),
-        int(meta["turn"]),
-        int(meta["resp"]),
-    )
     stages = []
     for stage in pipeline.stages:
         lease = await bus.client.get(sk.lease(stage.name))
-        applied = int(progress.get(f"{stage.name}:applied", 0))
-        if stage.input == SESSION_INPUT:
-            produced = int(meta["seq"])
-        else:
-            produced = int(progress.get(f"{stage.input}:oseq", 0))
+        applied = meta.applied(stage.name)
+        produced = meta.seq if stage.input == SESSION_INPUT else meta.produced(stage.input)
         stages.append(
             StageView(
                 stage=stage.name,
                 owner=lease.decode().split()[0] if lease else None,
                 applied_seq=applied,
                 lag=max(0, produced - applied),
-                owners_so_far=int(progress.get(f"{stage.name}:owners", 0)),
+                owners_so_far=meta.owners(stage.name),
             )
         )
     lengths = {"input": await bus.client.xlen(sk.input), "client": await bus.client.xlen(sk.client)}
     for stage in pipeline.stages:
         lengths[stage.name] = await bus.client.xlen(sk.stage_out(stage.name))
-    return SessionView(session_id, meta["status"], fence, int(meta["seq"]), tuple(stages), lengths)
+    return SessionView(session_id, meta.status, meta.fence, meta.seq, tuple(stages), lengths)
 
 
 def render_session(view: SessionView) -> str:

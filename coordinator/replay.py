@@ -63,6 +63,7 @@ from coordinator.replay_verdict import (
     summarize,
 )
 from coordinator.replay_wait import TurnWaiter, client_records
+from dataplane import session_meta
 from dataplane.authority import SessionAuthority
 from dataplane.bus import Entry, RedisBus
 from schemas.config import PipelineConfig
@@ -296,14 +297,12 @@ async def _input_pages(bus: RedisBus, stream: str, end: str) -> AsyncIterator[li
 
 
 async def _source_capabilities(bus: RedisBus, source: str) -> list[InputMode] | None:
-    raw = await bus.hmget(bus.keys.session(source).meta, ["caps"])
-    caps = (raw[0] or b"").decode()
-    return [InputMode(mode) for mode in caps.split()] or None
+    return [InputMode(mode) for mode in await session_meta.capabilities(bus, source)] or None
 
 
 async def recorded_greedily(bus: RedisBus, session_id: str) -> bool:
     """Whether ``session_id``'s stored settings are greedy (a greedy replay's target)."""
-    raw = (await bus.hmget(bus.keys.session(session_id).meta, ["config"]))[0]
+    raw = await session_meta.config_json(bus, session_id)
     try:
         return settings_from_json(raw).greedy
     except ValueError:
@@ -336,12 +335,12 @@ async def _open_target(
     # A stage's new owner starts from the session's stored settings and applies the
     # settings events after its position (as on a live session): the target stores the
     # source's, so an owner that takes over mid-replay keeps instructions, voice, ...
-    raw = (await bus.hmget(bus.keys.session(source).meta, ["config"]))[0]
+    raw = await session_meta.config_json(bus, source)
     if raw or greedy:
         config = SessionConfig.model_validate_json(raw) if raw else SessionConfig()
         if greedy:
             config = config.model_copy(update={"greedy": True})
-        await bus.hset(bus.keys.session(target).meta, {"config": config.model_dump_json()})
+        await session_meta.store_config(bus, target, config)
     if greedy:
         # Sent in order to the stages that own the session already.
         await authority.append(target, InputMode.UPDATE_SESSION, SettingsPayload(greedy=True))
@@ -427,9 +426,9 @@ async def replay_session(
     sk = bus.keys.session(source)
     total = await bus.xlen(sk.input)
     end = await bus.last_id(sk.input)
-    if end is None and (await bus.hmget(sk.meta, ["status"]))[0] is None:
+    if end is None and await session_meta.status(bus, source) is None:
         raise SessionNotFoundError(f"no session {source!r} to replay")
-    if (await bus.hmget(bus.keys.session(target).meta, ["status"]))[0] is not None:
+    if await session_meta.status(bus, target) is not None:
         # Opening a closed id would reopen it and wipe what it recorded.
         raise SessionExistsError(f"replay target {target!r} exists; replay needs a new session id")
     records = await client_records(bus, reference or source)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from coordinator.output_reader import JournalFollower
 from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator, server_seq
 from coordinator.service import Coordinator
+from dataplane import session_meta
 from dataplane.bus import Entry
 from schemas.errors import AuthError, ErrorCode
 from schemas.fence import Fence
@@ -39,7 +40,7 @@ async def replay_journal(
     bus = coordinator.bus
     sk = bus.keys.session(session_id)
     current = await coordinator.authority.current(session_id)
-    if (await bus.hmget(sk.meta, ["status"]))[0] != b"open":
+    if await session_meta.status(bus, session_id) != "open":
         raise AuthError(f"session {session_id} is no longer open", ErrorCode.RESUME_FAILED)
     follower = JournalFollower(session_id, Fence(session_id))
     received = after_seq // SEQ_STRIDE

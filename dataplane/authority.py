@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from dataplane import session_meta
 from dataplane.bus import RedisBus
 from dataplane.sessions import ALL_MODES
 from schemas.config import SESSION_INPUT, PipelineConfig
@@ -337,15 +338,15 @@ class SessionAuthority:
 
     async def current(self, session_id: str) -> Fence:
         """The session's current fence as Redis has it."""
-        sk = self.bus.keys.session(session_id)
-        raw = await self.bus.hmget(sk.meta, ["status", "inc", "epoch", "turn", "resp"])
-        if raw[0] is None:
+        fence = await session_meta.fence(self.bus, session_id)
+        if fence is None:
             raise SessionNotFoundError(f"no session {session_id!r}")
-        return Fence(session_id, *(int(v or 0) for v in raw[1:]))
+        return fence
 
     async def status(self, session_id: str) -> dict[str, str]:
         """The session's authority hash, decoded (for inspection tools)."""
-        return await self.bus.hgetall(self.bus.keys.session(session_id).meta)
+        snapshot = await session_meta.snapshot(self.bus, session_id)
+        return dict(snapshot.fields) if snapshot is not None else {}
 
     async def journal(
         self,

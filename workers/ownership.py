@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
+from dataplane import session_meta
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
@@ -234,14 +235,7 @@ class StageOwnership:
     async def note_failure(self, session_id: str) -> int:
         """Count a failure of this stage on the session; returns how many in a row at
         the stage's recorded progress (a failure after progress was made counts 1)."""
-        progress = self.bus.keys.session(session_id).meta  # where the stage's progress is
-        fields = [f"{self.stage}:{name}" for name in ("applied", "failed_at", "failures")]
-        applied, failed_at, failures = await self.bus.hmget(progress, fields)
-        at = int(applied or 0)
-        same = failed_at is not None and int(failed_at) == at
-        count = int(failures or 0) + 1 if same else 1
-        await self.bus.hset(progress, {fields[1]: at, fields[2]: count})
-        return count
+        return await session_meta.note_failure(self.bus, session_id, self.stage)
 
     async def note_drop(self, reason: str, count: int) -> None:
         """Count dropped outputs in the shared metrics hash (all processes add up)."""
