@@ -4,7 +4,8 @@ import it, and it imports neither of them.
 - ``bus``: every Redis Streams detail (connections, retries, scripts, reads);
 - ``scripts``: the server-side Lua that changes a session's fence, leases and streams;
 - ``authority``: the session authority on Redis, over those scripts;
-- ``sessions``: the pure fence rule and session core (``FenceView``, ``SessionManager``);
+- ``session_meta``: the one reader and writer of the session meta hash's fields;
+- ``sessions``: the pure fence rule (``fence_mismatch``, ``FenceView``);
 - ``request_ids``: the request-id codec;
 - ``metrics`` and ``logs``: Prometheus metrics and structured logs;
 - ``config``: settings and pipelines read from files and the environment.

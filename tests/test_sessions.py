@@ -1,7 +1,6 @@
 import pytest
 
 from dataplane.request_ids import make_request_id
-from dataplane.sessions import AppendResult, SessionManager
 from schemas.errors import (
     FenceMismatchError,
     ResourceExhaustedError,
@@ -12,6 +11,7 @@ from schemas.errors import (
 )
 from schemas.events import InputMode
 from schemas.fence import Fence
+from tests.session_model import AppendResult, SessionManager
 
 F0 = Fence("s1")
 

@@ -14,7 +14,7 @@ upstream                                    duplexq
 ``DuplexFence``                             ``schemas.fence.Fence`` (msgspec frozen struct:
                                             assigning raises ``AttributeError``, the base
                                             of ``FrozenInstanceError``)
-``DuplexSessionRuntimeManager``             ``dataplane.sessions.SessionManager``
+``DuplexSessionRuntimeManager``             ``tests.session_model.SessionManager``
 ``manager.open_session(f, capabilities=)``  ``manager.open(f, capabilities=modes)``
 ``manager.close_session(f)``                ``manager.close(f)``
 ``manager.get(sid)``                        ``manager.get(sid)``
@@ -65,10 +65,10 @@ from PIL import Image
 from vllm import SamplingParams
 
 from dataplane.request_ids import belongs_to_session, data_plane_request_info, make_request_id
-from dataplane.sessions import SessionManager
 from schemas.errors import FenceMismatchError, UnsupportedModeError
 from schemas.events import AudioPayload, InputMode, UnitPayload, VideoPayload
 from schemas.fence import Fence
+from tests.session_model import SessionManager
 from workers.extensions import Decision, DecisionAction, load_extension
 from workers.extensions.budget import decode_base64_audio, hd_patch_count, unit_budget
 from workers.extensions.minicpmo import MiniCPMOExtension
