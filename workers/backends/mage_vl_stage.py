@@ -67,14 +67,11 @@ code transformers does not ship needs ``trust_remote_code = true``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dataplane.readiness import StageModel
 from dataplane.request_ids import belongs_to_session, make_request_id
 from schemas.events import OutputEvent, OutputKind, VideoPayload
 from schemas.fence import Fence
@@ -83,6 +80,7 @@ from workers.adapters.mage_vl import MageVLAdapter
 from workers.adapters.mage_vl_types import GateDecision, VisualWindow
 from workers.adapters.runtime import AdapterRuntime, OutputSink
 from workers.backends.base import ALL_HISTORY, BackendError, OutputDraft, StageContext, StageEvent
+from workers.backends.engine_stage import EngineStage
 from workers.backends.mage_vl_core import (
     Kind,
     MageVLOptions,
@@ -101,7 +99,6 @@ from workers.backends.mage_vl_core import (
 )
 from workers.backends.mage_vl_media import image_data, with_placeholders
 from workers.backends.minicpmo_engine import DuplexStep, MiniCPMOEngine
-from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import EngineStep, SamplingSpec, VllmEngine, sampling_spec
 from workers.backends.vllm_history import ChatMessages, released_by
 
@@ -157,7 +154,7 @@ class MageSession:
         return self.ctx.session_id
 
 
-class MageVLStage:
+class MageVLStage(EngineStage[VllmEngine, RequestRecord]):
     """A ``StageBackend`` running the Mage-VL adapter on a vLLM engine (see module docs)."""
 
     name = "mage_vl"
@@ -179,8 +176,10 @@ class MageVLStage:
         self.stage = stage
         self.options: MageVLOptions = config.stage
         self.engine_options = config.engine
-        self.engine = engine or MiniCPMOEngine(config.engine)
-        self._owns_engine = engine is None
+        super().__init__(
+            engine or MiniCPMOEngine(config.engine), owns_engine=engine is None,
+            model=config.engine.model, records_kept=RECORDS_KEPT,
+        )  # fmt: skip
         self.adapter = MageVLAdapter(
             self._gate,
             self._generate,
@@ -190,17 +189,8 @@ class MageVLStage:
             hold_decisions_while_responding=self.options.hold_decisions_while_responding,
         )
         self._sessions: dict[str, MageSession] = {}
-        self._numbers = itertools.count(1)
-        self.records: RequestLog[RequestRecord] = RequestLog(RECORDS_KEPT)
-        self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
-        """Fences released lately (newest last)."""
 
     # -- session lifecycle -----------------------------------------------------------
-
-    async def load(self) -> StageModel:
-        """Start the engine: the worker takes no session before it is up."""
-        await self.engine.ready()
-        return StageModel(self.engine_options.model, fallback=self.engine.fallback)
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -224,8 +214,7 @@ class MageVLStage:
     async def aclose(self) -> None:
         for session in list(self._sessions.values()):
             await self._close(session)
-        if self._owns_engine:
-            await self.engine.shutdown()
+        await super().aclose()
 
     def session(self, session_id: str) -> MageSession | None:
         return self._sessions.get(session_id)
@@ -250,8 +239,7 @@ class MageVLStage:
             for rid in session.live | self.engine.live_request_ids()
             if belongs_to_session(rid, session.session_id)
         ]
-        self.records.note(doomed, "cancelled")
-        await self.engine.abort(doomed)
+        await self.abort(doomed, "cancelled")
 
     async def _current(self, ctx: StageContext) -> MageSession:
         """The session's state, opened if need be, with older-epoch work released."""
@@ -335,15 +323,7 @@ class MageVLStage:
             await session.runtime.barge_in()
             session.epoch = max(session.epoch, session.ctx.fence.epoch)
         # Cancelled calls abort their own requests; abort whatever else is tracked.
-        doomed += [
-            rid
-            for rid in self.engine.live_request_ids()
-            if rid not in doomed and released_by(rid, fence)
-        ]
-        self.records.note(doomed, "released")
-        await self.engine.abort(doomed)
-        if doomed:
-            log.debug("session %s: %s released, aborted %s", session.session_id, fence, doomed)
+        await self.abort_released(session.session_id, fence, doomed)
 
     # -- output ------------------------------------------------------------------------
 
@@ -459,7 +439,7 @@ class MageVLStage:
         """One engine request: its text pieces; however it ends, it leaves the engine."""
         await self.engine.ready()
         prompt, prompt_ids, kept, data = self._engine_prompt(builder, windows, max_tokens)
-        role = f"{self.stage}-{purpose}-{next(self._numbers)}"
+        role = f"{self.stage}-{purpose}-{self.next_number()}"
         request_id = make_request_id(session.ctx.fence, role)
         record = self.records.add(
             RequestRecord(request_id, session.session_id, purpose, prompt, kept)

@@ -58,19 +58,18 @@ sampling parameters) and the output views in ``minicpmo_engine``.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.readiness import StageModel
 from dataplane.request_ids import make_request_id
 from schemas.errors import InvalidInputError
 from schemas.events import InputEvent, OutputEvent, OutputKind, SettingsPayload
 from schemas.fence import Fence
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
+from workers.backends.engine_stage import EngineStage
 from workers.backends.minicpmo_engine import (
     CompletionView,
     DuplexStep,
@@ -94,7 +93,6 @@ from workers.backends.minicpmo_session import (
     classify,
     rebuild,
 )
-from workers.backends.request_log import RequestLog
 from workers.backends.vllm_engine import request_seed
 from workers.backends.vllm_history import released_by
 from workers.extensions.base import (
@@ -202,7 +200,7 @@ class UnitRecord:
     """Token ids published for the unit."""
 
 
-class MiniCPMOStage:
+class MiniCPMOStage(EngineStage[MiniCPMOEngine, UnitRecord]):
     """A ``StageBackend`` driving the MiniCPM-o duplex extension (module docstring)."""
 
     name = "minicpmo"
@@ -222,22 +220,15 @@ class MiniCPMOStage:
         engine: MiniCPMOEngine | None = None,
     ) -> None:
         self.options: MiniCPMOOptions = parse_minicpmo_options(stage, options)
-        self.engine = engine or MiniCPMOEngine(self.options)
-        self._owns_engine = engine is None
+        super().__init__(
+            engine or MiniCPMOEngine(self.options), owns_engine=engine is None,
+            model=self.options.model, records_kept=RECORDS_KEPT,
+        )  # fmt: skip
         self._duplex: Duplex | None = None
-        self._numbers = itertools.count(1)
-        self.records: RequestLog[UnitRecord] = RequestLog(RECORDS_KEPT)
         self.last_prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         """The prompt of each session's latest request (for logs and tests)."""
-        self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
-        """Fences released lately (newest last)."""
 
     # -- session lifecycle ---------------------------------------------------------------
-
-    async def load(self) -> StageModel:
-        """Start the engine: the worker takes no session before it is up."""
-        await self.engine.ready()
-        return StageModel(self.options.model, fallback=self.engine.fallback)
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -253,12 +244,7 @@ class MiniCPMOStage:
         if isinstance(session, DuplexSession) and session.live:
             doomed = list(session.live)
             session.live.clear()
-            self.records.note(doomed, "cancelled")
-            await self.engine.abort(doomed)
-
-    async def aclose(self) -> None:
-        if self._owns_engine:
-            await self.engine.shutdown()
+            await self.abort(doomed, "cancelled")
 
     def _session(self, ctx: StageContext) -> DuplexSession:
         session = ctx.state.get(STATE_KEY)
@@ -300,16 +286,7 @@ class MiniCPMOStage:
         doomed = [rid for rid in session.live if released_by(rid, fence)]
         for request_id in doomed:
             session.settle(request_id)
-        # Anything else of this session the engine still runs (by decoding ids).
-        doomed += [
-            rid
-            for rid in self.engine.live_request_ids()
-            if rid not in doomed and released_by(rid, fence)
-        ]
-        self.records.note(doomed, "released")
-        await self.engine.abort(doomed)
-        if doomed:
-            log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
+        await self.abort_released(ctx.session_id, fence, doomed)
 
     def multi_modal_data(self, session: DuplexSession) -> Mapping[str, Any] | None:
         """The media behind the prompt's placeholders, as vLLM's ``multi_modal_data``.
@@ -442,7 +419,7 @@ class MiniCPMOStage:
         if dropped:
             log.info("session %s: %d old prompt segments dropped", ctx.session_id, dropped)
         prompt = tuple(session.prompt.tokens())
-        request_id = make_request_id(ctx.fence, f"{ctx.stage}-u{seq}-r{next(self._numbers)}")
+        request_id = make_request_id(ctx.fence, f"{ctx.stage}-u{seq}-r{self.next_number()}")
         turn = session.live[request_id] = UnitTurn(request_id, seq)
         record = self.records.add(UnitRecord(request_id, ctx.session_id, prompt))
         self._remember(ctx.session_id, prompt)

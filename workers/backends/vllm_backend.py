@@ -55,20 +55,17 @@ wrapper in ``vllm_engine``.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.readiness import StageModel
 from dataplane.request_ids import make_request_id
 from schemas.events import ConversationPayload, OutputEvent, OutputKind
 from schemas.fence import Fence
 from schemas.items import response_item
 from workers.backends.base import BackendError, OutputDraft, RebuildWindow, StageContext, StageEvent
-from workers.backends.request_log import RequestLog
+from workers.backends.engine_stage import EngineStage
 from workers.backends.vllm_engine import EngineStep, VllmEngine, response_max_tokens, sampling_spec
 from workers.backends.vllm_history import (
     ChatHistory,
@@ -134,7 +131,7 @@ class RequestRecord:
     tokens: int = 0
 
 
-class VllmBackend:
+class VllmBackend(EngineStage[VllmEngine, RequestRecord]):
     """A ``StageBackend`` over one vLLM engine (see the module docstring)."""
 
     name = "vllm"
@@ -155,19 +152,12 @@ class VllmBackend:
         engine: VllmEngine | None = None,
     ) -> None:
         self.options: VllmOptions = parse_options(stage, options)
-        self.engine = engine or VllmEngine(self.options)
-        self._owns_engine = engine is None
-        self._numbers = itertools.count(1)
-        self.records: RequestLog[RequestRecord] = RequestLog(RECORDS_KEPT)
-        self.released: deque[Fence] = deque(maxlen=RECORDS_KEPT)
-        """Fences released lately (newest last)."""
+        super().__init__(
+            engine or VllmEngine(self.options), owns_engine=engine is None,
+            model=self.options.model, records_kept=RECORDS_KEPT,
+        )  # fmt: skip
 
     # -- session lifecycle -----------------------------------------------------------
-
-    async def load(self) -> StageModel:
-        """Start the engine: the worker takes no session before it is up."""
-        await self.engine.ready()
-        return StageModel(self.options.model, fallback=self.engine.fallback)
 
     async def start(
         self, ctx: StageContext, inputs: Sequence[StageEvent], outputs: Sequence[OutputEvent]
@@ -187,12 +177,7 @@ class VllmBackend:
         if isinstance(chat, SessionChat) and chat.live:
             doomed = list(chat.live)
             chat.live.clear()
-            self.records.note(doomed, "cancelled")
-            await self.engine.abort(doomed)
-
-    async def aclose(self) -> None:
-        if self._owns_engine:
-            await self.engine.shutdown()
+            await self.abort(doomed, "cancelled")
 
     def _chat(self, ctx: StageContext) -> SessionChat:
         chat = ctx.state.get(STATE_KEY)
@@ -238,16 +223,7 @@ class VllmBackend:
         doomed = [rid for rid in chat.live if released_by(rid, fence)]
         for request_id in doomed:
             chat.settle(request_id)
-        # Anything else of this session the engine still runs (by decoding ids).
-        doomed += [
-            rid
-            for rid in self.engine.live_request_ids()
-            if rid not in doomed and released_by(rid, fence)
-        ]
-        self.records.note(doomed, "released")
-        await self.engine.abort(doomed)
-        if doomed:
-            log.debug("session %s: %s released, aborted %s", ctx.session_id, fence, doomed)
+        await self.abort_released(ctx.session_id, fence, doomed)
 
     # -- responses -----------------------------------------------------------------------
 
@@ -269,7 +245,7 @@ class VllmBackend:
         ctx.next_response = None  # it was for this response only
         instructions = wanted.instructions or ctx.session.instructions
         prompt_ids = await self._prompt(chat, carried, instructions, plan, wanted)
-        role = f"{ctx.stage}-t{chat.history.turns}-r{next(self._numbers)}"
+        role = f"{ctx.stage}-t{chat.history.turns}-r{self.next_number()}"
         request_id = make_request_id(ctx.fence, role)
         item = response_item(ctx.fence)
         response = chat.live[request_id] = Response(request_id, seq, item, carried)
