@@ -10,6 +10,7 @@ from schemas.config import (
     load_pipeline,
 )
 from schemas.keys import Keys, PerSession, partition_of
+from schemas.settings import SECTIONS
 
 
 def _stages(*specs):
@@ -152,3 +153,25 @@ def test_unknown_variables_are_named_with_the_closest_known_one():
         "DUPLEXQ_LEASE_TTL (did you mean DUPLEXQ_LEASE_TTL_MS?)",
         "DUPLEXQ_NO_SUCH",
     ]
+
+
+def test_every_setting_belongs_to_one_section_and_keeps_its_variable(monkeypatch):
+    names = [name for section in SECTIONS for name in section.model_fields]
+    assert sorted(names) == sorted(Settings.model_fields)
+    assert len(names) == len(set(names))
+    for section in SECTIONS:  # each section's fields keep their documentation
+        assert all(field.description for field in section.model_fields.values()), section
+    # A field of any section is still set by DUPLEXQ_<NAME>, at the top level.
+    monkeypatch.setenv("DUPLEXQ_LINGER_MS", "2.5")
+    monkeypatch.setenv("DUPLEXQ_RESUME_GRACE_S", "7")
+    monkeypatch.setenv("DUPLEXQ_API_KEYS", "k1, k2")
+    settings = Settings()
+    assert (settings.linger_ms, settings.resume_grace_s, settings.api_keys) == (
+        2.5,
+        7,
+        ("k1", "k2"),
+    )
+    assert (
+        Settings(**{k[len("DUPLEXQ_") :].lower(): v for k, v in settings.to_env().items()})
+        == settings
+    )
