@@ -10,7 +10,7 @@ side, from its first output to its last (the steady rate). The reference is
 the raw batched Python stream limit of the same run.
 
 Replay: one of those recorded sessions is replayed with
-``coordinator.replay.replay_session`` (as fast as possible, into a new
+``coordinator.controlplane.replay.replay_session`` (as fast as possible, into a new
 session, through the same worker) and its outputs compared with the
 original's. The reference is Python's XADD one at a time (``bench.raw``):
 a replay appends one input at a time, in order. Accepting the backlog is
@@ -31,7 +31,7 @@ from bench.common import (
     ratio,
 )
 from bench.load import chunk, open_sessions
-from coordinator.replay import replay_session
+from coordinator.controlplane.replay import replay_session
 from coordinator.service import Coordinator
 from dataplane import session_meta
 from schemas.config import echo_pipeline

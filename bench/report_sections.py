@@ -317,8 +317,8 @@ def backlog_section(s: dict[str, Any] | None) -> str:
         "(64 entries per session per read, one publish script per batch). *Drain* counts\n"
         "from the worker's spawn (Python start-up included); *steady* from its first output\n"
         "to its last (server clock). Replay: one recorded session is replayed as fast as\n"
-        "possible into a new session with `coordinator.replay.replay_session` and the\n"
-        "outputs compared with the original's.\n"
+        "possible into a new session with `coordinator.controlplane.replay.replay_session`\n"
+        "and the outputs compared with the original's.\n"
     )
     out.append(table(
         ["figure", "events", "seconds", "events/s", "reference events/s", "ratio"],

@@ -232,12 +232,12 @@ class Cluster:
         else:
             self.hosts.open()
         self.redis.start(wait_port)
-        self._add("control", ["-m", "coordinator.cli", "control"])
+        self._add("control", ["-m", "coordinator.launcher.cli", "control"])
         for i in range(self.coordinators):
             port = free_port()
             name = f"coordinator-{i}"
             self.ports[name] = port
-            self._add(name, ["-m", "coordinator.cli", "coordinator", "--port", str(port),
+            self._add(name, ["-m", "coordinator.launcher.cli", "coordinator", "--port", str(port),
                              "--host", self.address(name)])  # fmt: skip
         for stage in self.pipeline.stage_names:
             for _ in range(self.workers_per_stage):

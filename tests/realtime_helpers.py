@@ -56,7 +56,7 @@ async def coordinator_process(
     *args: str,
     log: Path | None = None,
 ) -> AsyncIterator[str]:
-    """``coordinator.cli coordinator`` (with ``args``) serving ``pipeline`` on a free port
+    """``coordinator.launcher.cli coordinator`` (with ``args``) serving ``pipeline`` on a free port
     in a child process, its output to ``log`` if given; yields the ws:// base URL once
     it accepts connections and stops the process on the way out."""
     async with coordinator_child(settings, pipeline, directory, *args, log=log) as (base, _):
@@ -75,7 +75,7 @@ async def coordinator_child(
     port = free_port()
     env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
     pipeline_path = write_pipeline(directory, pipeline)
-    command = [sys.executable, "-m", "coordinator.cli", "coordinator", *args,
+    command = [sys.executable, "-m", "coordinator.launcher.cli", "coordinator", *args,
                "--pipeline", str(pipeline_path), "--port", str(port)]  # fmt: skip
     if log is None:
         proc = subprocess.Popen(command, cwd=ROOT, env=env)

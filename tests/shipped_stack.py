@@ -48,7 +48,8 @@ class ShippedStack:
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """``duplexq ARGS --workdir W`` beside the stack, as a user runs it."""
         return subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", *args, "--workdir", str(self.workdir)],
+            [sys.executable, "-m", "coordinator.launcher.cli", *args,
+             "--workdir", str(self.workdir)],
             cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
             check=False,
         )  # fmt: skip
@@ -66,7 +67,7 @@ def serve_shipped_stack(workdir: Path) -> Iterator[ShippedStack]:
     stack = ShippedStack(port, workdir, env)
     with (workdir / "up.log").open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "up", "--port", str(port),
+            [sys.executable, "-m", "coordinator.launcher.cli", "up", "--port", str(port),
              "--workers", "1", "--no-demo", "--workdir", str(workdir)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

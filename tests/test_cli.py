@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from coordinator.cli import build_parser, main
+from coordinator.launcher.cli import build_parser, main
 from schemas.events import TextPayload
 from tests.pipeline_helpers import fast_settings
 from tests.processes import ROOT, settings_env
@@ -16,7 +16,7 @@ def test_up_runs_the_stack_and_its_demonstration(tmp_path):
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "coordinator.launcher.cli",
             "up",
             "--demo-only",
             "--port",
@@ -96,7 +96,7 @@ def test_a_worker_started_by_the_cli_serves_its_metrics(redis_server, key_prefix
     settings = fast_settings(redis_server.url, key_prefix)
     port = free_port()
     pipeline = write_pipeline(tmp_path, echo_pipeline("echo"))
-    args = [sys.executable, "-m", "coordinator.cli", "worker", "--stage", "echo",
+    args = [sys.executable, "-m", "coordinator.launcher.cli", "worker", "--stage", "echo",
             "--pipeline", str(pipeline), "--metrics-port", str(port)]  # fmt: skip
     env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
     log = tmp_path / "worker.log"
@@ -133,8 +133,8 @@ def test_the_coordinator_logs_its_start_and_each_request_without_query_strings(
     settings = fast_settings(redis_server.url, key_prefix)
     port = free_port()
     pipeline = write_pipeline(tmp_path, echo_pipeline("echo"))
-    args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--pipeline", str(pipeline),
-            "--port", str(port)]  # fmt: skip
+    args = [sys.executable, "-m", "coordinator.launcher.cli", "coordinator",
+            "--pipeline", str(pipeline), "--port", str(port)]  # fmt: skip
     env = {**os.environ, **settings_env(settings), "PYTHONPATH": str(ROOT)}
     log = tmp_path / "coordinator.log"
     with log.open("wb") as sink:
@@ -168,7 +168,7 @@ def duplexq(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.Co
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "coordinator.launcher.cli", *args],
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         capture_output=True,
@@ -189,7 +189,7 @@ def test_commands_beside_up_find_its_stack_and_down_stops_it(tmp_path):
 
     echo = str(ROOT / "configs" / "echo.toml")
     up = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "up", "--pipeline", echo,
+        [sys.executable, "-m", "coordinator.launcher.cli", "up", "--pipeline", echo,
          "--port", str(free_port()), "--no-demo"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

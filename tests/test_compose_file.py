@@ -54,7 +54,8 @@ METRICS_PORT = 9100
 REDIS_NODES = [f"redis-node-{i}" for i in range(6)]
 DUPLEXQ_COMMANDS = ("coordinator", "control", "worker")
 SCRAPE_JOBS = ("duplexq-coordinator", "duplexq-workers")
-"""The job names `duplexq up` writes to <workdir>/prometheus.yml (coordinator/local_stack.py)."""
+"""The job names `duplexq up` writes to <workdir>/prometheus.yml
+(coordinator/launcher/local_stack.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_every_worker_serves_metrics_on_an_unpublished_port(every_profile: Confi
     scrape = yaml.safe_load((ROOT / "configs/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
     assert set(SCRAPE_JOBS) <= set(jobs)
-    local_stack = (ROOT / "coordinator/local_stack.py").read_text()
+    local_stack = (ROOT / "coordinator/launcher/local_stack.py").read_text()
     assert all(f'"{job}"' in local_stack for job in SCRAPE_JOBS), "the job names of `up`"
 
     def discovered(job: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ from tests.redis_server import free_port
 SHIPPED = ROOT / "configs" / "default.toml"
 
 
-def run(*args: str, env: dict[str, str] | None = None, module: str = "coordinator.cli"):
+def run(*args: str, env: dict[str, str] | None = None, module: str = "coordinator.launcher.cli"):
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", module, *args],
@@ -133,19 +133,19 @@ def test_a_command_says_within_2_s_that_redis_is_unreachable(command):
 @pytest.mark.parametrize(
     ("command", "module"),
     [
-        (["sessions"], "coordinator.cli"),
-        (["replay", "a", "b"], "coordinator.cli"),
-        (["control", "--burst"], "coordinator.cli"),
-        (["coordinator"], "coordinator.cli"),
-        (["down"], "coordinator.cli"),
+        (["sessions"], "coordinator.launcher.cli"),
+        (["replay", "a", "b"], "coordinator.launcher.cli"),
+        (["control", "--burst"], "coordinator.launcher.cli"),
+        (["coordinator"], "coordinator.launcher.cli"),
+        (["down"], "coordinator.launcher.cli"),
         (["--stage", "thinker"], "workers"),
-        (["up", "--pipeline", str(ROOT / "configs" / "echo.toml")], "coordinator.cli"),
+        (["up", "--pipeline", str(ROOT / "configs" / "echo.toml")], "coordinator.launcher.cli"),
     ],
     ids=["sessions", "replay", "control", "coordinator", "down", "worker", "up"],
 )
 def test_an_unknown_duplexq_variable_is_one_line_and_exit_2(tmp_path, command, module):
     workdir = tmp_path / "work"
-    extra = ["--workdir", str(workdir)] if module == "coordinator.cli" else []
+    extra = ["--workdir", str(workdir)] if module == "coordinator.launcher.cli" else []
     env = {"DUPLEXQ_LEASE_TTL": "abc", "DUPLEXQ_NO_SUCH": "1"}
     done, _ = run(*command, *extra, env=env, module=module)
     assert done.returncode == 2, done.stdout + done.stderr

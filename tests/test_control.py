@@ -8,9 +8,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from coordinator.control import (
+from coordinator.controlplane.control import (
     FORGET_WORKERS_AFTER_MS,
-    add_commands,
     audit_leases,
     close_context,
     expire_closed,
@@ -22,7 +21,7 @@ from coordinator.control import (
     trim_streams,
     worker_settings,
 )
-from coordinator.control_core import (
+from coordinator.controlplane.control_core import (
     FORGET_GRACE_MS,
     AuditPlan,
     ControlSchedule,
@@ -35,6 +34,7 @@ from coordinator.control_core import (
     session_of_key,
     stream_consumers,
 )
+from coordinator.launcher.control_cli import add_commands
 from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
 from dataplane.readiness import StageModel
@@ -564,7 +564,7 @@ def test_the_control_plane_stops_on_sigterm_while_redis_refuses_its_writes(tmp_p
             for i in range(10_000):
                 client.set(f"filler:{i}", b"x" * 10_000)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "control"],
+            [sys.executable, "-m", "coordinator.launcher.cli", "control"],
             cwd=ROOT,
             # This Redis runs without AOF (a full Redis is the point here, not what it
             # keeps): relaxed, or the control plane would refuse it at start.

@@ -15,7 +15,7 @@ import time
 import msgspec
 import pytest
 
-from coordinator.control import ControlState, _forget_dead_workers
+from coordinator.controlplane.control import ControlState, _forget_dead_workers
 from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
 from dataplane.bells import rings_of

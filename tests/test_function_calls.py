@@ -291,7 +291,7 @@ async def test_a_call_of_a_cancelled_response_never_reaches_the_client(settings)
 
 
 async def test_a_session_with_calls_replays_with_its_results_fed_back(settings):
-    from coordinator.replay import replay_session
+    from coordinator.controlplane.replay import replay_session
     from coordinator.service import Coordinator
     from schemas.events import InputMode, SettingsPayload, TextPayload
     from schemas.tools import FunctionTool, tools_text
@@ -318,7 +318,7 @@ async def test_a_session_with_calls_replays_with_its_results_fed_back(settings):
 
 
 def test_a_replay_comparison_tells_calls_apart():
-    from coordinator.replay import compare_outputs
+    from coordinator.controlplane.replay import compare_outputs
 
     def call(name: str) -> Any:
         return _out(1, OutputKind.FUNCTION_CALL, text="{}", meta={"name": name, "call_id": "c"})

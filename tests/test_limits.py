@@ -171,7 +171,7 @@ async def test_sessions_of_a_crashed_coordinator_stop_counting(settings, tmp_pat
     pipeline = echo_pipeline("echo")
     port = free_port()
     env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "coordinator.cli", "coordinator",
+    args = [sys.executable, "-m", "coordinator.launcher.cli", "coordinator",
             "--pipeline", str(write_pipeline(tmp_path, pipeline)), "--port", str(port)]  # fmt: skip
     crashed = subprocess.Popen(args, cwd=ROOT, env=env)
     try:

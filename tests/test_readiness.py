@@ -137,7 +137,7 @@ async def test_a_model_that_cannot_load_ends_the_worker(settings):
 
 
 async def test_up_says_each_stage_ready_and_announces_the_fallback(settings, tmp_path):
-    from coordinator.local_stack import LocalStack
+    from coordinator.launcher.local_stack import LocalStack
 
     stack = LocalStack(settings, tmp_path / "pipeline.toml", tmp_path)
     stack.stage_workers = {"echo": ["echo-0"]}  # as start_worker names them

@@ -374,7 +374,7 @@ def test_every_command_refuses_a_redis_with_appendfsync_everysec(tmp_path, every
     args = [part.replace("{tmp}", str(tmp_path)) for part in command]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEXQ_")}
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args, "--pipeline",
+        [sys.executable, "-m", "coordinator.launcher.cli", *args, "--pipeline",
          str(ROOT / "configs" / "echo.toml"), "--redis-url", everysec.url],
         cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=60, check=False,

@@ -10,15 +10,14 @@ import pytest
 from arq.connections import RedisSettings, create_pool
 from arq.jobs import Job
 
-from coordinator.control import (
+from coordinator.controlplane.control import (
     enqueue_replay,
     job_deserializer,
     queue_name,
     replay_job_id,
     run_control,
 )
-from coordinator.output_reader import JournalFollower
-from coordinator.replay import (
+from coordinator.controlplane.replay import (
     Comparison,
     Mismatch,
     ProgressPrinter,
@@ -33,7 +32,8 @@ from coordinator.replay import (
     replay_greedily,
     replay_session,
 )
-from coordinator.replay_cli import GREEDY_HINT, add_commands, replay_hint
+from coordinator.launcher.replay_cli import GREEDY_HINT, add_commands, replay_hint
+from coordinator.output_reader import JournalFollower
 from coordinator.service import Coordinator
 from dataplane.bus import Entry
 from schemas.config import echo_pipeline
@@ -425,7 +425,7 @@ async def test_replay_job_runs_once_on_the_control_plane(settings, coordinator):
 
 
 def test_a_replay_of_a_sampling_pipeline_explains_why_it_may_differ():
-    from coordinator.replay_cli import sampled_stages, sampling_hint
+    from coordinator.launcher.replay_cli import sampled_stages, sampling_hint
     from schemas.config import load_pipeline
     from tests.processes import ROOT
 
@@ -514,7 +514,7 @@ async def test_the_control_plane_replays_greedily_on_request(settings, coordinat
 async def test_duplexq_replay_greedy_prints_the_verdict_of_two_greedy_replays(
     settings, coordinator, tmp_path, capsys
 ):
-    from coordinator.cli import main
+    from coordinator.launcher.cli import main
 
     path = tmp_path / "settings.json"
     path.write_text(f'{{"key_prefix": "{settings.key_prefix}"}}')

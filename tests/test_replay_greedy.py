@@ -16,13 +16,13 @@ import time
 import pytest
 import pytest_asyncio
 
-from coordinator.replay import (
+from coordinator.controlplane.replay import (
     client_outputs,
     replay_greedily,
     replay_session,
 )
-from coordinator.replay_cli import replay_hint
-from coordinator.replay_verdict import compared
+from coordinator.controlplane.replay_verdict import compared
+from coordinator.launcher.replay_cli import replay_hint
 from coordinator.service import Coordinator
 from dataplane.request_ids import make_request_id
 from schemas.events import OutputKind, SettingsPayload, TextPayload

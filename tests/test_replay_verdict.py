@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from coordinator.replay_verdict import compare_outputs, compared
-from coordinator.replay_wait import AnswerClock, entry_ms, reached
+from coordinator.controlplane.replay_verdict import compare_outputs, compared
+from coordinator.controlplane.replay_wait import AnswerClock, entry_ms, reached
 from schemas.events import OutputEvent, OutputKind
 from schemas.fence import Fence
 

@@ -5,8 +5,8 @@ overridden: VAD -> ASR -> the SmolLM2 thinker on vLLM -> TTS) is asked two spoke
 questions (espeak-ng speech, streamed like a microphone over the Realtime WebSocket)
 and answers each in speech. ``duplexq replay --greedy`` then replays the session twice
 greedily and must say the two replays are identical: each input waits for the
-answers the recording had given before it (coordinator/replay_wait.py), and
-settings records are not compared (coordinator/replay_verdict.py).
+answers the recording had given before it (coordinator/controlplane/replay_wait.py), and
+settings records are not compared (coordinator/controlplane/replay_verdict.py).
 
 How a replay that differs names the first differing record is tested on hand-built
 journals of the same shape in tests/test_replay_verdict.py.

@@ -17,7 +17,7 @@ import pytest
 import websockets
 
 from coordinator.attachments import Attachments
-from coordinator.control import audit_leases, close_context, open_context
+from coordinator.controlplane.control import audit_leases, close_context, open_context
 from coordinator.realtime import SEQ_STRIDE, ServerEventTranslator
 from coordinator.resume import replay_journal
 from coordinator.service import Coordinator

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.replay import untraced
+from coordinator.controlplane.replay import untraced
 from coordinator.turn_trace import waterfall
 from schemas.config import Settings, load_pipeline
 from schemas.events import CommitPayload, OutputEvent, decode_event

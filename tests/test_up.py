@@ -29,7 +29,7 @@ ASR = StageConfig(name="asr", backend="asr", to_client=True)
 
 def up(*args: str, workdir: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(workdir), *args],
+        [sys.executable, "-m", "coordinator.launcher.cli", "up", "--workdir", str(workdir), *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -381,8 +381,9 @@ def test_the_vllm_engine_processes_of_its_workers_end_with_up(tmp_path, sig):
     )
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(tmp_path / "work"),
-         "--pipeline", str(pipeline), "--port", str(free_port()), "--workers", "1", "--no-demo"],
+        [sys.executable, "-m", "coordinator.launcher.cli", "up",
+         "--workdir", str(tmp_path / "work"), "--pipeline", str(pipeline),
+         "--port", str(free_port()), "--workers", "1", "--no-demo"],
         cwd=ROOT, env={**os.environ, **offline, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -415,7 +416,7 @@ def cmdline(pid: int) -> bytes:
 def test_up_uses_the_redis_of_duplexq_redis_url_and_says_so(tmp_path, redis_server, key_prefix):
     env = {"DUPLEXQ_REDIS_URL": redis_server.url, "DUPLEXQ_KEY_PREFIX": key_prefix}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "up", "--workdir", str(tmp_path),
+        [sys.executable, "-m", "coordinator.launcher.cli", "up", "--workdir", str(tmp_path),
          "--pipeline", str(ECHO), "--port", str(free_port()), "--workers", "1", "--no-demo"],
         cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator import control, replay_cli
-from coordinator.inspect import inspect_session, list_sessions, render_session
-from coordinator.local_stack import (
+from coordinator.controlplane.inspect import inspect_session, list_sessions, render_session
+from coordinator.launcher import control_cli, replay_cli
+from coordinator.launcher.local_stack import (
     STOP_WITHIN_S,
     LocalStack,
     StartFailed,
@@ -33,7 +33,7 @@ from coordinator.local_stack import (
     free_port,
     port_taken,
 )
-from coordinator.stack_state import StackLock, add_workdir_option, running, settings_for
+from coordinator.launcher.stack_state import StackLock, add_workdir_option, running, settings_for
 from dataplane import heap, lifeline
 from dataplane.bus import RedisBus
 from dataplane.config import (
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     worker.set_defaults(func=cmd_worker)
 
-    control.add_commands(commands)
+    control_cli.add_commands(commands)
     replay_cli.add_commands(commands)
 
     sessions = commands.add_parser("sessions", help="list sessions or inspect one")

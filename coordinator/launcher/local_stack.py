@@ -173,7 +173,7 @@ class LocalStack:
         return path
 
     def start_control(self) -> None:
-        args = [sys.executable, "-m", "coordinator.cli", "control"]
+        args = [sys.executable, "-m", "coordinator.launcher.cli", "control"]
         args += ["--pipeline", str(self.pipeline_path)]
         self._spawn("control", args)
 
@@ -183,7 +183,7 @@ class LocalStack:
             raise StartFailed(
                 f"port {port} on {self.settings.host} is already in use (choose another: --port)"
             )
-        args = [sys.executable, "-m", "coordinator.cli", "coordinator", "--pipeline",
+        args = [sys.executable, "-m", "coordinator.launcher.cli", "coordinator", "--pipeline",
                 str(self.pipeline_path), "--port", str(port)]  # fmt: skip
         self._spawn("coordinator", args)
         deadline = time.monotonic() + 30

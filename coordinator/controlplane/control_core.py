@@ -1,6 +1,6 @@
 """The control plane's decisions, pure: no Redis, no asyncio.
 
-``coordinator.control`` runs the jobs; what each job decides lives here so it
+``coordinator.controlplane.control`` runs the jobs; what each job decides lives here so it
 can be tested on plain values:
 
 - trimming: how far a stream may be trimmed given where its consumers are

@@ -1,6 +1,7 @@
 """``duplexq replay``: the command line of a replay, and the note under its verdict.
 
-The replay itself is ``coordinator.replay``; its comparison ``coordinator.replay_verdict``.
+The replay itself is ``coordinator.controlplane.replay``; its comparison
+``coordinator.controlplane.replay_verdict``.
 The note under a DIFFERENT verdict speaks of the record that decided it (its stage):
 sampling only when that stage is a sampling model stage and the replay was not greedy.
 """
@@ -12,7 +13,12 @@ import asyncio
 import sys
 from typing import Any
 
-from coordinator.replay import ProgressPrinter, ReplayReport, replay_greedily, replay_session
+from coordinator.controlplane.replay import (
+    ProgressPrinter,
+    ReplayReport,
+    replay_greedily,
+    replay_session,
+)
 from dataplane.bus import RedisBus
 from schemas.config import PipelineConfig
 from schemas.errors import DuplexqError
@@ -22,7 +28,7 @@ from schemas.keys import Keys
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``duplexq replay SOURCE TARGET [--pace fast|recorded] [--speed X]
     [--greedy [--again ID]] ...``."""
-    from coordinator.control import add_common_options
+    from coordinator.launcher.control_cli import add_common_options
 
     parser = subparsers.add_parser(
         "replay", help="replay a session's input log into a new session and compare outputs"
@@ -113,7 +119,7 @@ def replay_hint(report: ReplayReport, pipeline: PipelineConfig) -> str | None:
 def replay_command(args: argparse.Namespace) -> int:
     """Run (or enqueue) a replay; exit 0 when the outputs are identical, 1 when
     they differ, 2 when the replay could not run."""
-    from coordinator.stack_state import settings_for
+    from coordinator.launcher.stack_state import settings_for
     from dataplane.config import load_pipeline_for
     from dataplane.redis_config import check_at_start
 
@@ -126,7 +132,7 @@ def replay_command(args: argparse.Namespace) -> int:
     # A replay writes a session: not into a Redis that cannot keep it (RedisRefused).
     asyncio.run(check_at_start(settings))
     if args.enqueue:
-        from coordinator.control import enqueue_replay
+        from coordinator.controlplane.control import enqueue_replay
 
         queued = asyncio.run(
             enqueue_replay(

@@ -2,7 +2,7 @@
 
 Each job is a plain async function of arq's ``ctx`` (callable directly with
 one from ``open_context``); the decisions it makes are small pure functions
-in ``coordinator.control_core``, tested without Redis.
+in ``coordinator.controlplane.control_core``, tested without Redis.
 
 - ``audit_leases`` (cron): an open session whose client connection's hold on it
   lapsed longer than ``resume_grace_s`` ago is closed (whatever happened to its
@@ -24,7 +24,7 @@ in ``coordinator.control_core``, tested without Redis.
   has no TTL gets ``closed_ttl_s``, atomically with the status check, so a
   session reopened meanwhile is never touched.
 - ``replay`` (on request, job id per (source, target)): see
-  ``coordinator.replay``.
+  ``coordinator.controlplane.replay``.
 
 Jobs travel as msgpack (never pickle). The queue name and every job id
 carry the key prefix, so deployments sharing a Redis never see each other's
@@ -33,7 +33,6 @@ jobs. Burst mode runs each periodic job once, plus whatever is queued.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -42,7 +41,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -53,7 +51,7 @@ from arq.worker import Function, Worker, create_worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from coordinator.control_core import (
+from coordinator.controlplane.control_core import (
     ControlSchedule,
     RequeueBackoff,
     age_floor,
@@ -66,8 +64,7 @@ from coordinator.control_core import (
     session_of_key,
     stream_consumers,
 )
-from coordinator.replay import LogProgress, replay_greedily, replay_session
-from coordinator.stack_state import add_workdir_option
+from coordinator.controlplane.replay import LogProgress, replay_greedily, replay_session
 from dataplane import session_meta
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
@@ -332,7 +329,8 @@ async def replay(
     again: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``source`` into ``target`` (optionally under another pipeline, and
-    greedily: ``coordinator.replay.replay_greedily``); the report is the job's result."""
+    greedily: ``coordinator.controlplane.replay.replay_greedily``); the report is the
+    job's result."""
     state = _state(ctx)
     target_pipeline = PipelineConfig.model_validate(pipeline) if pipeline else state.pipeline
     options: dict[str, Any] = {
@@ -522,7 +520,7 @@ async def enqueue_replay(
     again: str | None = None,
 ) -> bool:
     """Ask the control plane to replay ``source`` into ``target`` (``greedy``: see
-    ``coordinator.replay.replay_greedily``); False if that replay was already
+    ``coordinator.controlplane.replay.replay_greedily``); False if that replay was already
     requested (queued, running or done within a day)."""
     pool = await create_pool(
         RedisSettings.from_dsn(settings.queue_redis_url),
@@ -545,40 +543,3 @@ async def enqueue_replay(
     finally:
         await pool.aclose()
     return job is not None
-
-
-# -- command line -----------------------------------------------------------------------
-
-
-def add_common_options(parser: argparse.ArgumentParser) -> None:
-    """``--pipeline``, ``--settings``, ``--redis-url`` and ``--workdir``, as every command
-    has them."""
-    parser.add_argument("--pipeline", type=Path, help="pipeline file (.toml/.json)")
-    parser.add_argument("--settings", type=Path, help="settings file (.toml/.json)")
-    parser.add_argument("--redis-url", help="overrides settings.redis_url")
-    add_workdir_option(parser)
-
-
-def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``duplexq control [--burst]``."""
-    parser = subparsers.add_parser(
-        "control", help="run the control plane (lease audit, trimming, expiry, replay jobs)"
-    )
-    add_common_options(parser)
-    parser.add_argument("--burst", action="store_true", help="run each job once, then exit")
-    parser.set_defaults(func=control_command)
-
-
-def control_command(args: argparse.Namespace) -> int:
-    from coordinator.stack_state import settings_for
-    from dataplane.config import load_pipeline_for
-    from dataplane.redis_config import check_at_start
-
-    settings = settings_for(args, "control")
-    pipeline = load_pipeline_for(settings, args.pipeline)
-    # RedisRefused (one line, exit 2) on a Redis that cannot keep acknowledged inputs.
-    # One that does not answer: a one-shot run says so (exit 1); the long-running
-    # control plane says it in its log and waits for it.
-    asyncio.run(check_at_start(settings, log, wait=not args.burst))
-    worker = asyncio.run(run_control(settings, pipeline, burst=args.burst))
-    return 1 if worker.jobs_failed else 0

@@ -49,8 +49,7 @@ from typing import IO, Any, Literal
 
 import msgspec
 
-from coordinator.output_reader import JournalFollower
-from coordinator.replay_verdict import (
+from coordinator.controlplane.replay_verdict import (
     NOT_COMPARED,
     STREAMED,
     Comparison,
@@ -62,7 +61,8 @@ from coordinator.replay_verdict import (
     output_key,
     summarize,
 )
-from coordinator.replay_wait import TurnWaiter, client_records
+from coordinator.controlplane.replay_wait import TurnWaiter, client_records
+from coordinator.output_reader import JournalFollower
 from dataplane import session_meta
 from dataplane.authority import SessionAuthority
 from dataplane.bus import Entry, RedisBus
