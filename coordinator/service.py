@@ -89,10 +89,11 @@ class Coordinator:
         told = notice(fence) if notice is not None else None
         if told is not None:
             await self.journal(session_id, told, attachment=attachment, receipt=True)
+        if payload is None:
+            payload = CommitPayload()
         receipt = await self.authority.append(
-            session_id, InputMode.TURN_COMMIT_ONLY, payload or CommitPayload(),
-            attachment=attachment,
-        )  # fmt: skip
+            session_id, InputMode.TURN_COMMIT_ONLY, payload, attachment=attachment
+        )
         return Commit(fence, receipt)
 
     async def journal(
