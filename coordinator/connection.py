@@ -2,10 +2,14 @@
 
 A connection authenticates, opens (or resumes) a session, then runs two
 tasks: ``receive`` (client events -> session log, in order) and ``pump``
-(journal -> server events). A bad event gets an ``error`` with a stable code
-and the connection goes on; nothing already accepted is touched. What a
-connection may cost (event rate, pending input, journaled errors, queued
-server events) is bounded: ``coordinator.limits``, ``coordinator.outbound``.
+(journal -> server events). It does the socket's I/O, parses and dispatches:
+what touches a turn or a response (input that waits for a commit, commits,
+``response.create``, cancels) is ``coordinator.turns``'s to decide and carry
+out, and Redis is reached through the ``Coordinator`` facade. A bad event gets
+an ``error`` with a stable code and the connection goes on; nothing already
+accepted is touched. What a connection may cost (event rate, pending input,
+journaled errors, queued server events) is bounded: ``coordinator.limits``,
+``coordinator.outbound``.
 
 On disconnect the session is kept for ``resume_grace_s``; a
 ``duplexq.session.resume`` with its token (on this or any coordinator process, with
@@ -26,10 +30,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from starlette.websockets import WebSocketDisconnect
 
 from coordinator import client_requests, conversation, socket_io
@@ -44,15 +46,11 @@ from coordinator.realtime import (
     image_payload,
     parse_client_event,
     server_seq,
-    spoken_item,
 )
-from coordinator.response_requests import ResponseRequests
 from coordinator.resume import replay_journal
 from coordinator.socket_io import Socket
-from coordinator.turn_clock import TurnClock
-from coordinator.turn_trace import TurnTrace
-from dataplane import session_meta
-from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
+from coordinator.turns import Turns
+from dataplane.metrics import FIRST_OUTPUT
 from schemas.errors import (
     AuthError,
     DuplexqError,
@@ -63,17 +61,7 @@ from schemas.errors import (
     SessionClosedError,
     SessionReplacedError,
 )
-from schemas.events import (
-    ClearPayload,
-    CommitPayload,
-    InputMode,
-    OutputEvent,
-    Payload,
-    PlaybackPayload,
-    TextPayload,
-)
-from schemas.fence import Fence
-from schemas.items import response_id
+from schemas.events import InputMode, OutputEvent, PlaybackPayload, TextPayload
 from schemas.realtime import (
     AudioAppend,
     AudioClear,
@@ -97,7 +85,6 @@ from schemas.realtime import (
 )
 from schemas.session_fields import judged
 from schemas.session_shape import session_object, stage_settings
-from schemas.trace import new_trace
 
 if TYPE_CHECKING:
     from coordinator.hub import Hub
@@ -129,22 +116,10 @@ class Connection:
         self.translator = ServerEventTranslator(hub.terminal)
         self.outbound = Outbound(hub.settings.max_outbound_events)
         self.limits = ConnectionLimits(hub.settings, time.monotonic)
-        self._last_seq = 0
-        """The session-log seq of this connection's latest append."""
         self._sent_seq = 0
         """The ``duplexq.seq`` of the latest journaled event sent to the socket."""
-        self.min_epoch = 0
-        self._ended_up_to = 0
-        """The highest response_seq whose response this connection has seen end (or has
-        cancelled): with the session's reserved one, whether a response is in progress."""
-        self.uncommitted = False
-        self.requests = ResponseRequests()
-        """What ``response.create`` does now (``coordinator.client_requests``)."""
-        self._refused: set[str] = set()
-        """Function calls whose late result was refused once (a re-send is taken)."""
-        self.turn_clock = TurnClock()
-        self.turn_trace: TurnTrace | None = None
-        """Set once the session is known, while tracing is on (``coordinator.turn_trace``)."""
+        self.turns = Turns(self.coordinator, self.translator, self.attachment)
+        """The session's turns and responses, as this connection serves them."""
         self.closed = False
         """Set once this connection stopped serving (evicted or overflowed): nothing more
         is sent on its socket or written for its session."""
@@ -229,7 +204,7 @@ class Connection:
 
     async def _open(self) -> None:
         self.hub.reserve()
-        self.session_id = f"sess_{secrets.token_hex(12)}"
+        self.session_id = self.turns.session_id = f"sess_{secrets.token_hex(12)}"
         await self.hub.live.admit(self.session_id, self.key_digest, _now_ms(), resume=False)
         token = secrets.token_urlsafe(32)
         fence = await self.coordinator.open(self.session_id)
@@ -237,8 +212,7 @@ class Connection:
             self.session_id, self.attachment, self.key_digest, _now_ms(), resume=False,
             fresh=token_hash(token),
         )  # fmt: skip
-        bus = self.coordinator.bus
-        await bus.set_durable(bus.keys.resume(token_hash(token)), self.session_id, 86_400)
+        await self.coordinator.keep_resume_token(token_hash(token), self.session_id)
         await self.hub.register(self)
         await self.socket.send_json(
             {
@@ -265,8 +239,7 @@ class Connection:
         # stays good until the new one is used: if this reply is lost, the client can
         # resume again with it (``coordinator.attachments``).
         token = secrets.token_urlsafe(32)
-        bus = self.coordinator.bus
-        await bus.set_durable(bus.keys.resume(token_hash(token)), session_id, 86_400)
+        await self.coordinator.keep_resume_token(token_hash(token), session_id)
         try:
             dropped = await self.hub.attachments.attach(
                 session_id, self.attachment, self.key_digest, _now_ms(), resume=True,
@@ -274,24 +247,19 @@ class Connection:
             )  # fmt: skip
         except SessionClosedError as exc:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
-        for digest in dropped:  # one by one: on a cluster each key has a slot of its own
-            await bus.client.delete(bus.keys.resume(digest))
+        await self.coordinator.drop_resume_tokens(dropped)
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
-        self.session_id = session_id
-        self.config = await self._stored_config()
+        self.session_id = self.turns.session_id = session_id
+        self.config = await self.coordinator.stored_config(session_id)
         self.translator.spoken = stage_settings(self.config).audio_output
-        # Input sent on the old socket may wait for its commit: a commit here is taken
-        # (not refused as empty), and a response.create asks for a new response.
-        self.uncommitted = True
+        self.turns.state.resumed()
         replay = await replay_journal(
             self.coordinator, session_id, event.last_received_seq, self.translator
         )
         # The replay's follower takes over the journal and this connection takes the
         # session's deliveries in one step (no await between): a delivery judged by the
         # old follower meanwhile would reach this connection besides the replay's own.
-        self.coordinator.reader.attach(
-            session_id, replay.follower.view.current, follower=replay.follower
-        )
+        self.coordinator.follow_from(replay.follower)
         await self.hub.register(self)
         await self.socket.send_json(
             {"type": "duplexq.session.resumed", "event_id": _fresh_event_id(),
@@ -302,16 +270,11 @@ class Connection:
             await self.socket.send_json(server_event)
         self._sent_seq = replay.last_seq
 
-    async def _stored_config(self) -> SessionConfig:
-        """The session's configuration as its last ``session.update`` left it."""
-        return await session_meta.config(self.coordinator.bus, self.session_id)
-
     async def _session_for_token(self, token: str) -> str:
-        bus = self.coordinator.bus
-        raw = await bus.client.get(bus.keys.resume(token_hash(token)))
-        if raw is None:
+        session_id = await self.coordinator.session_of_resume_token(token_hash(token))
+        if session_id is None:
             raise AuthError("resume token is unknown or expired", ErrorCode.RESUME_FAILED)
-        return bytes(raw).decode()
+        return session_id
 
     # -- client -> session ----------------------------------------------------------
 
@@ -338,7 +301,7 @@ class Connection:
             if not isinstance(event, CONTROL_EVENTS):
                 await self._check_backpressure(cost)
             await self._handle(event)
-            self.limits.budget.charge(self._last_seq, cost)
+            self.limits.budget.charge(self.turns.last_seq, cost)
         except SessionReplacedError:
             # The client resumed on another connection: whatever this socket still had
             # buffered is not the session's any more.
@@ -355,7 +318,7 @@ class Connection:
         event = error_event(exc.code.value, exc.message, client_event_id, param)
         if self.limits.journal_error():
             try:
-                await self._journal(event, receipt=False)
+                await self.turns.journal(event, receipt=False)
                 return
             except SessionReplacedError:
                 await self.evict("session resumed on another connection")
@@ -365,17 +328,16 @@ class Connection:
         self.deliver(event)
 
     async def _handle(self, event: ClientEvent) -> None:
-        sid = self.session_id
         if isinstance(event, SessionUpdate):
             await self._configure(event)
         elif isinstance(event, AudioAppend):
-            await self._append(
+            await self.turns.take_input(
                 InputMode.APPEND_AUDIO_CHUNK, audio_payload(event.audio, self.config)
             )
         elif isinstance(event, VideoAppend):
             # Decoding and verifying an image blocks for milliseconds: off the loop.
             frame = await asyncio.to_thread(image_payload, event.image, event.pts_ms)
-            await self._append(InputMode.APPEND_VIDEO_FRAME, frame)
+            await self.turns.take_input(InputMode.APPEND_VIDEO_FRAME, frame)
         elif isinstance(event, ItemCreate | ItemDelete | ItemTruncate | PlaybackAck):
             if isinstance(event, ItemDelete):
                 client_requests.check_delete(self, event)
@@ -383,23 +345,12 @@ class Connection:
         elif isinstance(event, AudioCommit | ResponseCreate | ItemRetrieve):
             await client_requests.handle(self, event)
         elif isinstance(event, AudioClear):
-            await self._append(InputMode.CLEAR_AUDIO, ClearPayload())
-            self.uncommitted = False
-            await self._notice("input_audio_buffer.cleared")
+            await self.turns.clear()
         elif isinstance(event, ResponseCancel | BargeIn | OutputAudioClear):
-            if isinstance(event, ResponseCancel) and not await self._response_active():
-                raise ProtocolError(
-                    ErrorCode.RESPONSE_CANCEL_NOT_ACTIVE, "no response is in progress to cancel"
-                )
-            started = time.monotonic()
-            active = self.translator.active
             reason = event.type.removeprefix("duplexq.")  # barge_in, response.cancel, ...
-            result = await self.coordinator.cancel(sid, reason=reason, attachment=self.attachment)
-            self.min_epoch = max(self.min_epoch, result.fence.epoch)
-            self._ended_up_to = max(self._ended_up_to, result.fence.response_seq)
-            CANCEL_ACK.observe(time.monotonic() - started)
+            only_active = isinstance(event, ResponseCancel)
+            cleared = await self.turns.cancel(reason, only_active=only_active)
             if isinstance(event, OutputAudioClear):
-                cleared = active or response_id(result.cancelled)
                 await self._notice("output_audio_buffer.cleared", response_id=cleared)
         elif isinstance(event, SessionResume):
             raise ProtocolError(
@@ -415,19 +366,17 @@ class Connection:
         item = event.item if isinstance(event, ItemCreate) else None
         if isinstance(event, ItemCreate) and isinstance(item, MessageItem) and item.role == "user":
             payload = TextPayload(conversation.text_of(item), item_id=item.id or "")
-            receipt = await self._append(InputMode.APPEND_TEXT, payload)
+            receipt = await self.turns.take_input(InputMode.APPEND_TEXT, payload)
             notice = conversation.created_notice(event, item.id or f"item_{receipt}")
-            await self._journal(notice)
+            await self.turns.journal(notice)
             return
         if isinstance(item, FunctionCallOutputItem):
-            # A result for a call of a response interrupted since is refused once.
-            conversation.check_output(item, self.translator, self.min_epoch, self._refused)
-            self.uncommitted = True  # the next response.create asks the model again
+            self.turns.function_result(item)
         if isinstance(event, PlaybackAck):
             # Recorded as the client said it; the model's answer is cut to what was heard
             # where this connection knows what was spoken when.
             ack = PlaybackPayload(event.response_id, event.played_ms)
-            await self._append(InputMode.PLAYBACK_ACK, ack)
+            await self.turns.take_input(InputMode.PLAYBACK_ACK, ack)
             cut = conversation.acknowledged(event, self.translator)
             if cut is not None:
                 await self.coordinator.append(
@@ -443,7 +392,7 @@ class Connection:
         await self.coordinator.append(
             sid, InputMode.EDIT_CONVERSATION, edit, attachment=self.attachment
         )
-        await self._journal(notice)
+        await self.turns.journal(notice)
 
     async def _configure(self, event: SessionUpdate) -> None:
         """Store the merged configuration (resume and new stage owners start from it),
@@ -457,9 +406,7 @@ class Connection:
             await self._error(refusal.error(), event.event_id)
         sid = self.session_id
         try:
-            await self.coordinator.authority.configure(
-                sid, self.config.model_dump_json(), attachment=self.attachment
-            )
+            await self.coordinator.configure(sid, self.config, attachment=self.attachment)
             settings = stage_settings(self.config)
             if settings != stage_settings(previous):
                 await self.coordinator.append(
@@ -471,70 +418,8 @@ class Connection:
         if not refusals or self.config != previous:  # all refused: the errors said it
             await self._notice("session.updated", session=session_object(sid, self.config))
 
-    async def _response_active(self) -> bool:
-        """Whether a response is streaming, or reserved (a commit, the server VAD's turn
-        end) and not yet seen to end. A resumed connection has seen no end yet, so it
-        counts every reserved response as in progress: it never refuses wrongly."""
-        if self.translator.active is not None:
-            return True
-        reserved = await session_meta.reserved_response(self.coordinator.bus, self.session_id)
-        return reserved > self._ended_up_to
-
-    async def _commit(self) -> Fence:
-        """The client's commit ends the user's turn; the fence of the response it reserved."""
-        fence, receipt = await self.commit_turn(CommitPayload())
-        await self._notice("input_audio_buffer.committed", item_id=f"item_{receipt}")
-        for event in spoken_item(f"item_{receipt}"):
-            await self._journal(event)
-        return fence
-
-    async def commit_turn(
-        self, payload: CommitPayload, notice: Callable[[Fence], dict[str, Any] | None] | None = None
-    ) -> tuple[Fence, int]:
-        """Reserve the next response and append the commit that asks for it (a client's,
-        or a ``response.create``'s); ``notice``, given the reserved fence, is journaled
-        between the two, so that it precedes the response's first output. The fence and
-        the commit's seq."""
-        # The turn ends as its commit arrives: the clock starts before the answer (which
-        # may come back before the append returns) can be sent.
-        self.turn_clock.committed(time.monotonic())
-        if self.turn_trace is not None:
-            payload = msgspec.structs.replace(payload, trace=new_trace(time.time_ns()))
-        try:
-            fence = await self.coordinator.authority.reserve_response(
-                self.session_id, attachment=self.attachment
-            )
-            told = notice(fence) if notice is not None else None
-            if told is not None:
-                await self._journal(told)
-            receipt = await self._append(InputMode.TURN_COMMIT_ONLY, payload)
-        except BaseException:
-            self.turn_clock.forget()
-            raise
-        self.uncommitted = False
-        return fence, receipt
-
     async def _notice(self, event_type: str, **fields: Any) -> None:
-        await self._journal({"type": event_type, **fields})
-
-    async def _journal(self, event: dict[str, Any], *, receipt: bool = True) -> None:
-        """Journal a notice for the client, while this connection serves the session. A
-        notice acknowledging what the event wrote (``receipt``) is journaled on a full
-        Redis too: refused, it would tell the client that what was taken was not."""
-        await self.coordinator.authority.journal(
-            self.session_id, event, attachment=self.attachment, receipt=receipt
-        )
-        if event["type"] == "conversation.item.created":  # known before the pump frames it
-            self.translator.items.add(event["item"])
-
-    async def _append(self, mode: InputMode, payload: Payload) -> int:
-        receipt = await self.coordinator.append(
-            self.session_id, mode, payload, attachment=self.attachment
-        )
-        self._last_seq = receipt.seq
-        if mode is not InputMode.TURN_COMMIT_ONLY:
-            self.uncommitted = True
-        return receipt.seq
+        await self.turns.journal({"type": event_type, **fields})
 
     async def _check_backpressure(self, cost: int) -> None:
         budget = self.limits.budget
@@ -549,7 +434,7 @@ class Connection:
 
     async def _applied_by_first_stages(self) -> int:
         firsts = [s.name for s in self.hub.pipeline.stages if s.input == "session"]
-        return min(await session_meta.applied(self.coordinator.bus, self.session_id, firsts))
+        return min(await self.coordinator.applied(self.session_id, firsts))
 
     # -- session -> client ---------------------------------------------------------
 
@@ -574,20 +459,18 @@ class Connection:
                 continue
             delivery = item
             event = delivery.event
-            if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
+            if isinstance(event, OutputEvent) and event.fence.epoch < self.turns.state.min_epoch:
                 continue  # queued before this connection's cancel returned: stale now
             for server_event in self.translator.translate(event, delivery.server_event_seq):
-                if server_event["type"] == "response.done":
-                    ended = int(server_event[EXTENSION]["fence"]["response_seq"])
-                    self._ended_up_to = max(self._ended_up_to, ended)
+                self.turns.state.sent(server_event)
                 if not await self._send(server_event):
                     return
                 self._sent_seq = server_seq(server_event)
-                measured = self.turn_clock.sent(server_event, time.monotonic())
+                measured = self.turns.clock.sent(server_event, time.monotonic())
                 if measured is not None:
                     FIRST_OUTPUT.labels(turn=measured[0]).observe(measured[1])
-            if self.turn_trace is not None and isinstance(event, OutputEvent):
-                shown = self.turn_trace.sent(event, time.time_ns())
+            if self.turns.trace is not None and isinstance(event, OutputEvent):
+                shown = self.turns.trace.sent(event, time.time_ns())
                 if shown is not None and not await self._send(
                     {**shown, "event_id": _fresh_event_id()}
                 ):

@@ -132,7 +132,7 @@ class Hub:
         """``connection`` now serves its session; one it replaces here is closed."""
         sid = connection.session_id
         if (sink := span_sink("duplexq-coordinator")) is not None:
-            connection.turn_trace = TurnTrace(sink, sid, self.terminal)
+            connection.turns.trace = TurnTrace(sink, sid, self.terminal)
         grace = self.graces.pop(sid, None)
         if grace is not None:
             grace.cancel()

@@ -56,13 +56,23 @@ response that ended last (an input's error after its answer) ends nothing.
 Every response that was created ends with exactly one ``response.done``; which
 server events frame the pieces of a response (deltas, transcripts) is the
 translator's business (``coordinator.realtime``).
+
+What the journal cannot tell a connection is ``TurnState``'s: whether input
+waits for a commit, which responses the connection has seen end (or
+cancelled), the epoch below which outputs are stale since its cancel, and what
+its client's ``response.create`` asked for (``coordinator.response_requests``).
+With the session's reserved response it says whether a response is in progress.
+``coordinator.turns`` carries out what these rules decide.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from coordinator.response_requests import Create, ResponseRequests
+from schemas.errors import ErrorCode, ProtocolError
+from schemas.fence import Fence
 from schemas.items import response_seq_of
 
 
@@ -157,3 +167,74 @@ class ResponseLife:
 def _older(response_id: str, than: str) -> bool:
     """Whether ``response_id`` was reserved before ``than``."""
     return response_seq_of(response_id) < response_seq_of(than)
+
+
+class TurnState:
+    """One connection's part in its session's responses, beyond the journal (pure)."""
+
+    def __init__(self) -> None:
+        self.uncommitted = False
+        """Input arrived since the last commit or clear."""
+        self.min_epoch = 0
+        """The epoch this connection's latest cancel moved the session to: outputs of an
+        older epoch are stale."""
+        self.ended_up_to = 0
+        """The highest response_seq whose response this connection has seen end (or has
+        cancelled): with the session's reserved one, whether a response is in progress."""
+        self.requests = ResponseRequests()
+        """What ``response.create`` does now."""
+
+    def took_input(self) -> None:
+        self.uncommitted = True
+
+    def cleared(self) -> None:
+        """The client cleared its input buffer: nothing waits for a commit."""
+        self.uncommitted = False
+
+    def committed(self) -> None:
+        self.uncommitted = False
+
+    def resumed(self) -> None:
+        """Input sent on the old socket may wait for its commit: a commit is taken (not
+        refused as empty), and a ``response.create`` asks for a new response."""
+        self.uncommitted = True
+
+    def cancelled(self, fence: Fence) -> None:
+        """This connection's cancel moved the session to ``fence``: what it cancelled has
+        ended, and outputs of an older epoch are stale."""
+        self.min_epoch = max(self.min_epoch, fence.epoch)
+        self.ended_up_to = max(self.ended_up_to, fence.response_seq)
+
+    def sent(self, server_event: dict[str, Any]) -> None:
+        """A server event went to the client; a ``response.done`` ends the response its
+        fence names (and those before it)."""
+        if server_event["type"] == "response.done":  # "duplexq": ``realtime.EXTENSION``
+            ended = int(server_event["duplexq"]["fence"]["response_seq"])
+            self.ended_up_to = max(self.ended_up_to, ended)
+
+    def unended(self, reserved: int) -> bool:
+        """Whether the session's reserved response (a commit's, the server VAD's turn end)
+        has not been seen to end. A resumed connection has seen no end yet, so it counts
+        every reserved response as in progress: it never refuses a cancel wrongly."""
+        return reserved > self.ended_up_to
+
+    def check_commit(self) -> None:
+        """A client commit with no input since the last commit or clear is refused."""
+        if not self.uncommitted:
+            raise ProtocolError(
+                ErrorCode.INPUT_AUDIO_BUFFER_COMMIT_EMPTY,
+                "the input audio buffer is empty: nothing was appended since the last "
+                "commit or clear",
+            )
+
+    def create(self) -> Create:
+        """What a ``response.create`` does now (``ResponseRequests.decide``): CLAIM or NEW;
+        refused while a response another one asked for is in progress."""
+        decision = self.requests.decide(new_input=self.uncommitted, ended_up_to=self.ended_up_to)
+        if decision is Create.REFUSE:
+            raise ProtocolError(
+                ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
+                "Conversation already has an active response in progress; wait for its "
+                "response.done or cancel it first",
+            )
+        return decision

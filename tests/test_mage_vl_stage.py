@@ -466,13 +466,13 @@ async def test_b_a_question_is_answered_from_the_windows(engine, settings):
             await coordinator.append("q", "append_video_frame", frame(500))
             await coordinator.append("q", "append_text", TextPayload("what is on "))
             await coordinator.append("q", "append_text", TextPayload("the screen?"))
-            receipt = await coordinator.commit("q")
+            commit = await coordinator.commit("q")
             got = await read_until(coordinator, dones(1))
             *deltas, done = outputs(got)
             assert deltas and all(o.kind is OutputKind.TEXT_DELTA for o in deltas)
             assert done.meta["trigger"] == "query"
             # Answered under the response the commit reserved.
-            assert all(o.fence == receipt.fence for o in outputs(got))
+            assert all(o.fence == commit.fence for o in outputs(got))
             (answer,) = records(backend, "q", "answer")
             assert answer.request_id == done.meta["request_id"]
             assert "The viewer asks: what is on the screen?" in answer.prompt

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 from coordinator.response_requests import Create, RequestedResponses, ResponseRequests
+from coordinator.service import Coordinator
 from schemas.config import echo_pipeline
+from schemas.events import CommitPayload, InputMode, decode_input
+from schemas.fence import Fence
 from tests.pipeline_helpers import fast_settings, running_worker
 from tests.realtime_helpers import Client, asked_echo, serving, streaming_echo, text_turn
 from tests.voice_helpers import SERVER_EVENT
@@ -34,6 +37,40 @@ async def _until(client: Client, kind: str, within_s: float = 15) -> list[dict[s
 
 def _types(events: list[dict[str, Any]]) -> list[str]:
     return [e["type"] for e in events]
+
+
+# -- the one commit path ------------------------------------------------------------------
+
+
+async def test_a_commit_reserves_its_response_then_journals_the_notice_then_appends(settings):
+    """``Coordinator.commit`` is the one commit path (a client's commit, a
+    ``response.create``'s): the notice is built from the reserved fence and is in the
+    journal when the commit that asks for the response lands."""
+    coordinator = Coordinator(settings, echo_pipeline("echo"))
+    try:
+        await coordinator.open("s1")
+        told: list[Fence] = []
+
+        def notice(fence: Fence) -> dict[str, Any]:
+            told.append(fence)
+            return {"type": "duplexq.response.requested", "response_id": "r"}
+
+        commit = await coordinator.commit("s1", CommitPayload(respond=True), notice=notice)
+        assert told == [commit.fence] and commit.fence.response_seq == 1
+        assert await coordinator.reserved_response("s1") == 1
+        sk = coordinator.bus.keys.session("s1")
+        journal = [e.event for e in await coordinator.bus.xrange(sk.client) if e.event]
+        assert len(journal) == 1 and b"duplexq.response.requested" in journal[0]
+        (entry,) = await coordinator.bus.xrange(sk.input)
+        logged = decode_input(entry.event)
+        assert logged.mode is InputMode.TURN_COMMIT_ONLY and logged.payload.respond
+        assert logged.seq == commit.receipt.seq and logged.fence == commit.fence
+        # A plain commit (the control plane's, a test's) journals nothing.
+        plain = await coordinator.commit("s1")
+        assert plain.fence.response_seq == 2
+        assert len([e for e in await coordinator.bus.xrange(sk.client) if e.event]) == 1
+    finally:
+        await coordinator.aclose()
 
 
 # -- the rules (pure) -----------------------------------------------------------------------

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.responses import Created, Ended, Item, ResponseLife
+from coordinator.response_requests import Create
+from coordinator.responses import Created, Ended, Item, ResponseLife, TurnState
+from schemas.errors import ErrorCode, ProtocolError
+from schemas.fence import Fence
 
 
 def life(active: str | None) -> ResponseLife:
@@ -96,3 +99,60 @@ def test_a_request_creates_its_response_once_before_its_outputs():
         Ended("resp_0_2_3", "incomplete", "superseded"),
         Created("resp_0_3_4"),
     ]
+
+
+# -- a connection's part: TurnState ---------------------------------------------------------
+
+
+def done(response_seq: int) -> dict:
+    return {"type": "response.done", "duplexq": {"fence": {"response_seq": response_seq}}}
+
+
+def test_a_commit_is_taken_only_with_input_since_the_last_commit_or_clear():
+    turns = TurnState()
+    with pytest.raises(ProtocolError) as refused:
+        turns.check_commit()
+    assert refused.value.code is ErrorCode.INPUT_AUDIO_BUFFER_COMMIT_EMPTY
+    turns.took_input()
+    turns.check_commit()
+    turns.committed()
+    with pytest.raises(ProtocolError):
+        turns.check_commit()
+    turns.took_input()
+    turns.cleared()
+    with pytest.raises(ProtocolError):
+        turns.check_commit()
+    # What the old socket sent may wait for its commit: a resumed connection takes one.
+    turns.resumed()
+    turns.check_commit()
+
+
+def test_a_reserved_response_is_in_progress_until_seen_to_end_or_cancelled():
+    turns = TurnState()
+    assert not turns.unended(0)
+    assert turns.unended(1)  # reserved, no end seen (a resumed connection: every one)
+    turns.sent({"type": "response.output_text.delta"})
+    assert turns.unended(1)
+    turns.sent(done(1))
+    assert not turns.unended(1) and turns.unended(2)
+    turns.cancelled(Fence("s", epoch=3, response_seq=2))
+    assert not turns.unended(2)
+    assert turns.min_epoch == 3
+    # Ends and cancels only ever move it on.
+    turns.sent(done(1))
+    turns.cancelled(Fence("s", epoch=1, response_seq=1))
+    assert (turns.min_epoch, turns.ended_up_to) == (3, 2)
+
+
+def test_a_create_claims_the_commits_response_or_is_refused_while_its_own_runs():
+    turns = TurnState()
+    turns.took_input()
+    turns.committed()
+    turns.requests.committed("resp_0_0_1")
+    assert turns.create() is Create.CLAIM
+    turns.requests.asked(2)
+    with pytest.raises(ProtocolError) as refused:
+        turns.create()
+    assert refused.value.code is ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE
+    turns.cancelled(Fence("s", epoch=1, response_seq=2))  # a cancel ends it
+    assert turns.create() is Create.NEW
