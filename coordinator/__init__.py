@@ -4,7 +4,7 @@
   ``server_options``, ``socket_io``), one connection per client (``connection``), the
   translation between the OpenAI Realtime protocol and duplexq's fenced events
   (``realtime``, ``frames``, ``items``, ``conversation``), a response's life
-  (``responses``, ``response_requests``), admission and limits (``admission``,
+  (``responses``, ``response_requests``, ``turns``), admission and limits (``admission``,
   ``limits``, ``auth``, ``client_secrets``), attachments and resumes
   (``attachments``, ``resume``) and the facade the connections share (``hub``,
   ``service``).
