@@ -5,6 +5,7 @@ import it, and it imports neither of them.
 - ``scripts``: the server-side Lua that changes a session's fence, leases and streams;
 - ``authority``: the session authority on Redis, over those scripts;
 - ``sessions``: the pure fence rule and session core (``FenceView``, ``SessionManager``);
+- ``stage_fence``: the fence a stage serves, its transitions and the one stale check;
 - ``request_ids``: the request-id codec;
 - ``metrics`` and ``logs``: Prometheus metrics and structured logs;
 - ``config``: settings and pipelines read from files and the environment.
