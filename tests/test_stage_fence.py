@@ -5,6 +5,7 @@ import pytest
 from dataplane.sessions import MismatchReason
 from dataplane.stage_fence import StageFence, released
 from schemas.fence import Fence
+from workers.backends.base import StageContext
 
 F = Fence("s", 1, 2, 3, 4)
 
@@ -151,3 +152,10 @@ def test_a_zombie_output_is_named_by_its_incarnation():
     assert fence.judge_upstream(zombie) is MismatchReason.INCARNATION
     assert fence.drop_reason(zombie) == "incarnation"
 
+
+def test_the_context_reads_the_stage_fence_and_cannot_assign_it():
+    ctx = StageContext("s", "stage", F, {})
+    ctx.stage_fence.on_interrupt(F.replace(epoch=3))
+    assert ctx.fence == F.replace(epoch=3)
+    with pytest.raises(AttributeError):
+        ctx.fence = F  # type: ignore[misc]
