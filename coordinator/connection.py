@@ -52,7 +52,8 @@ from coordinator.socket_io import Socket
 from coordinator.turn_clock import TurnClock
 from coordinator.turn_trace import TurnTrace
 from dataplane import session_meta
-from dataplane.metrics import CANCEL_ACK, FIRST_OUTPUT
+from dataplane.metrics import CANCEL_ACK, DROPPED_STALE, FIRST_OUTPUT
+from dataplane.stage_fence import released
 from schemas.errors import (
     AuthError,
     DuplexqError,
@@ -574,8 +575,10 @@ class Connection:
                 continue
             delivery = item
             event = delivery.event
-            if isinstance(event, OutputEvent) and event.fence.epoch < self.min_epoch:
-                continue  # queued before this connection's cancel returned: stale now
+            if isinstance(event, OutputEvent) and released(event.fence, self.min_epoch):
+                # Queued before this connection's cancel returned: stale now, counted.
+                DROPPED_STALE.labels(stage=event.stage, reason="epoch").inc()
+                continue
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 if server_event["type"] == "response.done":
                     ended = int(server_event[EXTENSION]["fence"]["response_seq"])

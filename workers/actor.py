@@ -63,7 +63,7 @@ from dataplane.metrics import (
     EVENTS_OUT,
     PUBLISHES,
 )
-from dataplane.sessions import fence_mismatch
+from dataplane.sessions import MismatchReason, fence_mismatch
 from dataplane.stage_fence import StageFence, released
 from schemas.config import Settings
 from schemas.errors import WireDecodeError
@@ -401,12 +401,16 @@ class SessionActor:
         """Stage the producer's drafts as they come; flush drafts are published as the
         answer's ``Coalescer`` decides, and none is left held when the answer ends."""
         coalescer = Coalescer(self.coalesce)
+        released_drafts = 0
         while (draft := await _next_draft(drafts, coalescer.deadline)) is not None:
             if draft is _Due.DUE:
                 await self._publish_held(coalescer)
                 continue
-            if not self.active or self.stage_fence.is_stale(fence):
-                continue  # released while queued: never published
+            if not self.active:
+                continue  # stopped: the event stays unapplied for whoever serves next
+            if self.stage_fence.is_stale(fence):
+                released_drafts += 1  # released while queued: never published
+                continue
             if self._published_before_death(event.seq):
                 continue
             self._stage(draft, fence, event.seq)
@@ -414,6 +418,7 @@ class SessionActor:
                 await self._publish_held(coalescer)
         if coalescer.held:
             await self._publish_held(coalescer)
+        await self.count_drop(MismatchReason.EPOCH.value, released_drafts)
 
     async def _publish_held(self, coalescer: Coalescer) -> None:
         """Publish what is staged, the drafts the coalescer holds among it."""
