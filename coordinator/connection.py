@@ -50,7 +50,8 @@ from coordinator.realtime import (
 from coordinator.resume import replay_journal
 from coordinator.socket_io import Socket
 from coordinator.turns import Turns
-from dataplane.metrics import FIRST_OUTPUT
+from dataplane.metrics import DROPPED_STALE, FIRST_OUTPUT
+from dataplane.stage_fence import released
 from schemas.errors import (
     AuthError,
     DuplexqError,
@@ -459,8 +460,10 @@ class Connection:
                 continue
             delivery = item
             event = delivery.event
-            if isinstance(event, OutputEvent) and event.fence.epoch < self.turns.state.min_epoch:
-                continue  # queued before this connection's cancel returned: stale now
+            if isinstance(event, OutputEvent) and released(event.fence, self.turns.state.min_epoch):
+                # Queued before this connection's cancel returned: stale now, counted.
+                DROPPED_STALE.labels(stage=event.stage, reason="epoch").inc()
+                continue
             for server_event in self.translator.translate(event, delivery.server_event_seq):
                 self.turns.state.sent(server_event)
                 if not await self._send(server_event):

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from schemas.events import OutputKind, TextPayload
-from tests.actor_helpers import cancel_of, owned_actor, text_input
+from tests.actor_helpers import STAGE, StreamingEcho, cancel_of, owned_actor, text_input
 
 
 async def test_a_cancel_before_the_producer_ran_does_not_wedge_the_actor(redis_server, key_prefix):
@@ -176,3 +176,28 @@ async def test_batches_queued_meanwhile_are_applied_together_with_one_publish(
         stream = bus.keys.session(actor.session_id).stage_out(STAGE)
         published = [decode_output(e.fields[b"e"]).text for e in await bus.xrange(stream)]
         assert published == ["a", "b", "c", "d"]
+
+
+async def test_drafts_of_work_released_meanwhile_are_dropped_and_counted(redis_server, key_prefix):
+    """A barge-in that lands while a backend is still answering (its producer not
+    cancelled: nothing was read from the control stream) releases the answer: the
+    drafts still coming are never published, and each is counted as an epoch drop."""
+    from dataplane.metrics import value
+    from workers.backends.base import OutputDraft
+
+    class BargesIn(StreamingEcho):
+        async def handle(self, ctx, event):
+            ctx.stage_fence.on_interrupt(ctx.fence.replace(epoch=ctx.fence.epoch + 1))
+            for text in ("a", "b"):
+                yield OutputDraft(OutputKind.TEXT_DELTA, text=text)
+
+    async with owned_actor(redis_server, key_prefix, backend=BargesIn({})) as actor:
+        before = value("duplexq_dropped_stale_total", stage=STAGE, reason="epoch")
+        await actor._handle(text_input(actor, 1, "hello"))
+        assert actor._pending == []
+        after = value("duplexq_dropped_stale_total", stage=STAGE, reason="epoch")
+        assert after - before == 2
+        shared = await actor.ownership.bus.client.hget(
+            actor.ownership.bus.keys.metrics, f"dropped:{STAGE}:epoch"
+        )
+        assert int(shared) == 2

@@ -3,6 +3,7 @@
 import pytest
 
 from dataplane.sessions import FenceView, MismatchReason
+from dataplane.stage_fence import StageFence
 from schemas.events import (
     ControlEvent,
     ControlKind,
@@ -83,7 +84,7 @@ def _output(seq, fence=F):
     ],
 )
 def test_decide(event, applied, current, step):
-    assert decide(event, applied, current, FenceView(current)) is step
+    assert decide(event, applied, StageFence(current)) is step
 
 
 def test_a_higher_incarnation_is_a_newer_owner_and_moves_the_view():

@@ -293,7 +293,7 @@ async def test_nothing_of_an_old_epoch_is_published_under_a_newer_fence():
     await until(lambda: len(published) >= 3)  # the remark is streaming
     # A cancel moves the serving fence first (the actor does), the release comes after:
     # in between, the old epoch's remark goes on but nothing of it is published.
-    ctx.fence = ctx.fence.replace(epoch=1)
+    ctx.stage_fence.on_cancel(ctx.fence.replace(epoch=1))
     before = len(published)
     await asyncio.sleep(0.05)
     assert len(published) == before
@@ -306,7 +306,7 @@ async def test_nothing_of_an_old_epoch_is_published_under_a_newer_fence():
     # An input of a newer epoch that arrives before its cancel releases the old work too.
     await frame_at(2, 1000)
     await until(lambda: any(epoch == 1 for epoch, _ in published))
-    ctx.fence = ctx.fence.replace(epoch=2)
+    ctx.stage_fence.follow(ctx.fence.replace(epoch=2))
     await frame_at(3, 5000)
     assert len([r for r in engine.aborted if parse_request_id(r).epoch == 1]) == 1
     await until(lambda: (2, OutputKind.DONE) in published)

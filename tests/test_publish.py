@@ -109,7 +109,7 @@ async def test_a_publish_ahead_of_the_authority_is_refused_and_resynced(redis_se
     async with owned_actor(redis_server, key_prefix) as actor:
         current = actor.ctx.fence
         # As after a Redis that lost its last writes: this stage saw epoch 1, Redis did not.
-        actor.ctx.fence = current.replace(epoch=1)
+        actor.ctx.stage_fence.on_interrupt(current.replace(epoch=1))
         stage_text(actor, "from the future", 1)
         actor.applied_seq, actor.read_id = 1, "1-0"
         await actor._flush()
@@ -210,11 +210,11 @@ async def test_a_refusal_for_a_cancel_moves_only_the_epoch_of_what_is_read_next(
         # commit, is still to be handled.
         unread = OutputEvent(fence=cancelled.fence, stage=STAGE, kind=OutputKind.TEXT_DELTA,
                              seq=2, source_seq=2, text="new")  # fmt: skip
-        assert decide(unread, actor.applied_seq, actor.ctx.fence, actor.view) is Step.HANDLE
+        assert decide(unread, actor.applied_seq, actor.stage_fence) is Step.HANDLE
         # and the old epoch stays stale.
         old = OutputEvent(fence=before, stage=STAGE, kind=OutputKind.TEXT_DELTA, seq=3,
                           source_seq=3, text="old")  # fmt: skip
-        assert decide(old, actor.applied_seq, actor.ctx.fence, actor.view) is Step.DROP
+        assert decide(old, actor.applied_seq, actor.stage_fence) is Step.DROP
     finally:
         await bus.aclose()
 

@@ -100,8 +100,7 @@ async def test_a_settings_output_of_an_older_epoch_is_applied_where_a_delta_is_d
 ):
     async with owned_actor(redis_server, key_prefix) as actor:
         old = actor.ctx.fence
-        actor.view.advance(old.replace(epoch=old.epoch + 1))
-        actor.ctx.fence = old.replace(epoch=old.epoch + 1)
+        actor.stage_fence.on_cancel(old.replace(epoch=old.epoch + 1))
         settings = SettingsPayload(voice="marin")
         passed = OutputEvent(
             old, "up", OutputKind.SETTINGS, 1, data=encode_session_payload(settings)

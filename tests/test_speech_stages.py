@@ -435,7 +435,7 @@ async def test_tts_release_forgets_unspoken_text():
     await backend.start(ctx, [], [])
     assert [d async for d in backend.handle(ctx, text_event(1, "half a sentence"))] == []
     await backend.release(ctx, Fence(SID))
-    ctx.fence = Fence(SID, 0, 1)
+    ctx.stage_fence.on_cancel(Fence(SID, 0, 1))
     got = [d async for d in backend.handle(ctx, text_event(2, "", OutputKind.DONE))]
     assert [d.kind for d in got] == [OutputKind.DONE]
     await backend.stop(ctx)

@@ -63,7 +63,8 @@ from dataplane.metrics import (
     EVENTS_OUT,
     PUBLISHES,
 )
-from dataplane.sessions import FenceView, fence_mismatch
+from dataplane.sessions import MismatchReason, fence_mismatch
+from dataplane.stage_fence import StageFence, released
 from schemas.config import Settings
 from schemas.errors import WireDecodeError
 from schemas.events import (
@@ -122,17 +123,16 @@ class ActorState(Enum):
     """Applying an event raised: the worker hands the session back or quarantines it."""
 
 
-def decide(
-    event: StageEvent | ControlEvent, applied_seq: int, fence: Fence, view: FenceView
-) -> Step:
-    """What to do with one entry of the stage's input (pure but for ``view.judge``)."""
+def decide(event: StageEvent | ControlEvent, applied_seq: int, fence: StageFence) -> Step:
+    """What to do with one entry of the stage's input (pure but for the upstream view,
+    which an upstream output that is handled moves)."""
     if isinstance(event, ControlEvent):
         return Step.BARRIER
     if event.seq <= applied_seq:
         return Step.SKIP
     if isinstance(event, OutputEvent):
-        return Step.DROP if view.judge(event.fence) is not None else Step.HANDLE
-    if event.fence.epoch < fence.epoch:
+        return Step.DROP if fence.judge_upstream(event.fence) is not None else Step.HANDLE
+    if fence.is_stale(event.fence):
         return Step.ABSORB
     return Step.HANDLE
 
@@ -156,9 +156,10 @@ class SessionActor:
         self.ownership = ownership
         self.backend = backend
         self.ctx = ctx
-        # The upstream stream is read from ``read_id`` on, where the incarnation may
-        # still be an older one (outputs published before a failover's barrier).
-        self.view = FenceView.resuming(lease.fence)
+        self.stage_fence = ctx.stage_fence
+        """The fence this stage serves and its view of the upstream stream; the upstream
+        stream is read from ``read_id`` on, where the incarnation may still be an older
+        one (outputs published before a failover's barrier)."""
         self.applied_seq = lease.applied_seq
         self.read_id = lease.read_id
         self.out_seq = lease.out_seq
@@ -273,9 +274,9 @@ class SessionActor:
             await self.count_drop("undecodable")
             self._advance(entry.id, None)
             return
-        step = decide(event, self.applied_seq, self.ctx.fence, self.view)
+        step = decide(event, self.applied_seq, self.stage_fence)
         if isinstance(event, ControlEvent):
-            self.view.observe(event.fence)
+            self.stage_fence.on_barrier(event.fence)
             self._advance(entry.id, None)
             return
         self._taken_in += 1
@@ -286,12 +287,12 @@ class SessionActor:
             self._advance(entry.id, event.seq)
             return
         if step is Step.DROP:
-            await self.count_drop(str(fence_mismatch(self.view.current, event.fence) or "epoch"))
+            await self.count_drop(self.stage_fence.drop_reason(event.fence))
         elif step is Step.ABSORB and not self.backend.continuous_input:
             await self.backend.absorb(self.ctx, event)
         else:
             failpoint("after_read", event.seq)
-            self._follow(event.fence)
+            self.stage_fence.follow(event.fence)
             if self.tracer is not None:
                 self.tracer.took(event)
             await self._handle(event)
@@ -342,17 +343,6 @@ class SessionActor:
         self.read_id = entry_id
         if seq is not None:
             self.applied_seq = max(self.applied_seq, seq)
-
-    def _follow(self, fence: Fence) -> None:
-        """Serve a newer fence an event carries (not regressed). An event of a newer
-        incarnation (a failover whose control this stage has not read yet) is served
-        under it: the authority stamped it, and answering it under the older fence would
-        stamp the answer with an older epoch too, which a publish then drops."""
-        current = self.ctx.fence
-        if fence.incarnation > current.incarnation:
-            current = current.replace(incarnation=fence.incarnation)
-        if fence.incarnation == current.incarnation and fence_mismatch(current, fence) is None:
-            self.ctx.fence = fence
 
     async def _handle(self, event: StageEvent) -> None:
         if self._answer_now is not None and self._answered_now(event):
@@ -411,12 +401,16 @@ class SessionActor:
         """Stage the producer's drafts as they come; flush drafts are published as the
         answer's ``Coalescer`` decides, and none is left held when the answer ends."""
         coalescer = Coalescer(self.coalesce)
+        released_drafts = 0
         while (draft := await _next_draft(drafts, coalescer.deadline)) is not None:
             if draft is _Due.DUE:
                 await self._publish_held(coalescer)
                 continue
-            if not self.active or self.ctx.fence.epoch > fence.epoch:
-                continue  # released while queued: never published
+            if not self.active:
+                continue  # stopped: the event stays unapplied for whoever serves next
+            if self.stage_fence.is_stale(fence):
+                released_drafts += 1  # released while queued: never published
+                continue
             if self._published_before_death(event.seq):
                 continue
             self._stage(draft, fence, event.seq)
@@ -424,6 +418,7 @@ class SessionActor:
                 await self._publish_held(coalescer)
         if coalescer.held:
             await self._publish_held(coalescer)
+        await self.count_drop(MismatchReason.EPOCH.value, released_drafts)
 
     async def _publish_held(self, coalescer: Coalescer) -> None:
         """Publish what is staged, the drafts the coalescer holds among it."""
@@ -540,8 +535,7 @@ class SessionActor:
             # Only a Redis that lost acknowledged writes is behind us: follow it back.
             log.error("the authority is behind this stage (%s < %s); resyncing", current,
                       fence, extra=self._extra())  # fmt: skip
-            self.ctx.fence = current
-            self.view.advance(current)
+            self.stage_fence.on_refused_ahead(current)
             restamp = None
         else:
             restamp = self._restamp(fence, current)
@@ -563,12 +557,11 @@ class SessionActor:
             # here, so when its control arrives there is nothing left to release.
             self._cancel_producer()
             self._producer_fence = None
-            if current is not None and current.epoch > self.ctx.fence.epoch:
-                # Only the epoch: the authority's turn and response may already be
+            if current is not None:
+                # Only the epoch moves: the authority's turn and response may already be
                 # ahead of inputs of the new epoch still unread (a commit reserved the
                 # next turn), and those must still be handled.
-                self.ctx.fence = self.ctx.fence.replace(epoch=current.epoch)
-                self.view.raise_epoch_floor(current.epoch)
+                self.stage_fence.on_refused_released(current)
             await self.backend.release(self.ctx, fence)
         return repaired
 
@@ -583,16 +576,16 @@ class SessionActor:
           fence of the same epoch.
         An epoch regression (a cancel) is never restamped.
         """
-        if current is None or current.epoch > fence.epoch:
+        if current is None or released(fence, current.epoch):
             return None
         candidate = fence
         if current.incarnation > fence.incarnation:
-            self.ctx.fence = self.ctx.fence.replace(incarnation=current.incarnation)
+            self.stage_fence.on_refused_incarnation(current)
             candidate = fence.replace(incarnation=current.incarnation)
         if fence_mismatch(current, candidate) is None:
             return candidate
         if not self.backend.follows_responses and current.epoch == fence.epoch:
-            self._follow(current)
+            self.stage_fence.follow(current)
             return current
         return None
 
@@ -614,8 +607,7 @@ class SessionActor:
                 self.state = ActorState.LOST  # our own stage moved: we were presumed dead
                 self._cancel_producer()
                 return
-            self.ctx.fence = self.ctx.fence.replace(incarnation=control.fence.incarnation)
-            self.view.advance(control.fence)
+            self.stage_fence.on_failover(control.fence)
         elif control.kind is ControlKind.CLOSE:
             self.state = ActorState.CLOSED
             self._cancel_producer()
@@ -624,16 +616,14 @@ class SessionActor:
         return session_extra(self.session_id, self.ctx.fence, stage=self.ctx.stage)
 
     async def _on_cancel(self, control: ControlEvent) -> None:
-        if control.fence.epoch <= self.ctx.fence.epoch and self._producer_fence is None:
-            return
+        if not released(self.ctx.fence, control.fence.epoch) and self._producer_fence is None:
+            return  # nothing served is released and nothing is being produced
         if control.ts_ms:
             reaction = max(0.0, time.time() - control.ts_ms / 1000)
             BARGE_IN_REACTION.labels(stage=self.ctx.stage).observe(reaction)
-        self.view.advance(control.fence)
-        if control.fence.epoch > self.ctx.fence.epoch:
-            self.ctx.fence = self.ctx.fence.replace(epoch=control.fence.epoch)
+        self.stage_fence.on_cancel(control.fence)
         producing = self._producer_fence
-        if producing is not None and producing.epoch < self.ctx.fence.epoch:
+        if producing is not None and self.stage_fence.is_stale(producing):
             self._cancel_producer()
             self._producer_fence = None  # released below, once
         if control.cancelled is not None:

@@ -390,8 +390,7 @@ class Worker:
             lambda: self.authority.cancel(ctx.session_id, expect_epoch=epoch, reason=reason),
             "a barge-in",
         )
-        if result.fence.epoch > ctx.fence.epoch:
-            ctx.fence = ctx.fence.replace(epoch=result.fence.epoch)
+        ctx.stage_fence.on_interrupt(result.fence)
         return result.fence
 
     async def _end_turn(self, ctx: StageContext) -> Fence:
@@ -400,8 +399,7 @@ class Worker:
         fence = await self._when_room(
             lambda: self.authority.reserve_response(ctx.session_id), "a turn's end"
         )
-        if (fence.incarnation, fence.epoch) == (ctx.fence.incarnation, ctx.fence.epoch):
-            ctx.fence = ctx.fence.replace(turn_id=fence.turn_id, response_seq=fence.response_seq)
+        ctx.stage_fence.on_reserve(fence)
         return fence
 
     async def _when_room(self, call: Callable[[], Awaitable[T]], what: str) -> T:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dataplane.readiness import StageModel
+from dataplane.stage_fence import StageFence
 from schemas.events import InputEvent, OutputEvent, OutputKind, SettingsPayload
 from schemas.fence import Fence
 
@@ -39,37 +40,69 @@ class BackendError(Exception):
     """A recoverable failure while handling one event; the session goes on."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StageContext:
     """What a backend knows of the session it serves."""
 
     session_id: str
     stage: str
-    fence: Fence
-    """The fence the stage currently serves (updated on cancel and failover)."""
+    stage_fence: StageFence
+    """The fence the stage serves; only the runtime moves it, through its named
+    transitions (``dataplane.stage_fence``). Backends read it as ``fence``."""
     options: Mapping[str, Any]
-    state: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any]
     """Backend-owned per-session state."""
-    session: SettingsPayload = field(default_factory=SettingsPayload)
+    session: SettingsPayload
     """The session's settings as the client left them (``session.update``), kept
     current in log order by the runtime: a backend reads what it acts on (the
     instructions, the voice, whether audio is wanted, turn detection) when it uses it.
     Settings events never reach ``handle``, ``absorb`` or ``start``."""
-    next_response: dict[str, str] | None = None
+    next_response: dict[str, str] | None
     """What a ``response.create`` named for the next response only (its ``tools`` and
     ``tool_choice``, as ``schemas.tools`` writes them), kept by the runtime until the
     backend that answers takes it (and sets it back to None)."""
-    interrupt: Callable[[str], Awaitable[Fence]] | None = None
+    interrupt: Callable[[str], Awaitable[Fence]] | None
     """Barge in on the session (bump its epoch, as a client cancel does) with a reason;
     returns the new fence. Set by the runtime; a VAD hearing the user uses it."""
-    end_turn: Callable[[], Awaitable[Fence]] | None = None
+    end_turn: Callable[[], Awaitable[Fence]] | None
     """End the user's turn from inside the pipeline (a server VAD hearing the end of an
     utterance): reserves the model's turn and response as a client commit does and
     returns the new fence. Set by the runtime."""
-    emit: Callable[[OutputDraft], None] | None = None
+    emit: Callable[[OutputDraft], None] | None
     """Publish a draft outside ``handle`` (a proactive stage speaking on its own, e.g.
     Mage-VL's gate firing between inputs), under the session's current fence. Set by
     the runtime; drafts are published in the order emitted."""
+
+    def __init__(
+        self,
+        session_id: str,
+        stage: str,
+        fence: Fence,
+        options: Mapping[str, Any],
+        state: dict[str, Any] | None = None,
+        session: SettingsPayload | None = None,
+        next_response: dict[str, str] | None = None,
+        interrupt: Callable[[str], Awaitable[Fence]] | None = None,
+        end_turn: Callable[[], Awaitable[Fence]] | None = None,
+        emit: Callable[[OutputDraft], None] | None = None,
+    ) -> None:
+        # Written by hand because ``fence`` is given as a Fence but kept as the stage
+        # fence that alone moves it: ``ctx.fence`` reads it and cannot be assigned.
+        self.session_id = session_id
+        self.stage = stage
+        self.stage_fence = StageFence(fence)
+        self.options = options
+        self.state = {} if state is None else state
+        self.session = SettingsPayload() if session is None else session
+        self.next_response = next_response
+        self.interrupt = interrupt
+        self.end_turn = end_turn
+        self.emit = emit
+
+    @property
+    def fence(self) -> Fence:
+        """The fence the stage currently serves (moved on input, cancel and failover)."""
+        return self.stage_fence.current
 
 
 @dataclass(frozen=True, slots=True)
