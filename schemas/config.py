@@ -126,6 +126,12 @@ class Settings(
         return cls(**{**values, **EnvSettingsSource(cls)()})
 
 
+SECTIONS: tuple[type[BaseModel], ...] = tuple(
+    base for base in Settings.__bases__ if base is not BaseSettings
+)
+"""The sections of ``Settings`` (``schemas.settings``), in the order it lists them."""
+
+
 ENV_PREFIX = "DUPLEXQ_"
 """Every environment variable of duplexq's starts with this: ``DUPLEXQ_<FIELD>`` for each
 ``Settings`` field, and the names in ``OTHER_VARIABLES``."""

@@ -2,8 +2,9 @@
 
 ``Settings`` inherits every section, so a field is still ``settings.<name>`` and is set
 by ``DUPLEXQ_<NAME>`` as before; a section only says where a field belongs
-(``SECTIONS``). A field added to ``Settings`` goes in the section of its concern
-(``tests/test_config.py`` checks that every field belongs to exactly one).
+(``schemas.config.SECTIONS`` lists them, taken from ``Settings``'s bases). A field added
+to ``Settings`` goes in the section of its concern (``tests/test_config.py`` checks that
+every field belongs to exactly one).
 """
 
 from __future__ import annotations
@@ -209,16 +210,3 @@ class ResumeSettings(_Section):
     sessions count as detached (the resume grace starts) this long after."""
     first_event_wait_ms: int = Field(300, ge=0, le=10_000)
     """How long a new connection waits for a ``session.resume`` before opening a session."""
-
-
-SECTIONS: tuple[type[_Section], ...] = (
-    RedisSettings,
-    OwnershipSettings,
-    DataPlaneSettings,
-    RetentionSettings,
-    ServerSettings,
-    AccessSettings,
-    ClientLimitSettings,
-    ResumeSettings,
-)
-"""Every section, in the order ``Settings`` lists them."""

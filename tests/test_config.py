@@ -4,13 +4,13 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.config import (
+    SECTIONS,
     PipelineConfig,
     Settings,
     echo_pipeline,
     load_pipeline,
 )
 from schemas.keys import Keys, PerSession, partition_of
-from schemas.settings import SECTIONS
 
 
 def _stages(*specs):
