@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from dataplane.bus import RedisBus
+from schemas.keys import Keys
 from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
 from tests.shipped_stack import ShippedStack, StackFailed, serve_shipped_stack
@@ -26,6 +28,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def key_prefix() -> str:
     return f"t{next(_prefixes)}"
+
+
+@pytest.fixture
+async def bus(redis_server: RedisServer, key_prefix: str) -> AsyncIterator[RedisBus]:
+    """A bus on the test session's redis-server, under a key prefix of this test's."""
+    bus = RedisBus(redis_server.url, Keys(key_prefix))
+    yield bus
+    await bus.aclose()
 
 
 @pytest.fixture

@@ -33,13 +33,6 @@ PIPELINE = echo_pipeline("a", "b")
 
 
 @pytest.fixture
-async def bus(redis_server, key_prefix):
-    bus = RedisBus(redis_server.url, Keys(key_prefix))
-    yield bus
-    await bus.aclose()
-
-
-@pytest.fixture
 def authority(bus):
     return SessionAuthority(bus, PIPELINE)
 

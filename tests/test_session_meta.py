@@ -1,25 +1,14 @@
 """The session meta hash's reader (``dataplane.session_meta``), on a real redis-server:
 what it reads is what the scripts wrote."""
 
-import pytest
-
 from dataplane import session_meta
 from dataplane.authority import SessionAuthority
-from dataplane.bus import RedisBus
 from schemas.config import echo_pipeline
 from schemas.events import InputMode, TextPayload
 from schemas.fence import Fence
-from schemas.keys import Keys
 from schemas.realtime import SessionConfig
 
 PIPELINE = echo_pipeline("a", "b")
-
-
-@pytest.fixture
-async def bus(redis_server, key_prefix):
-    bus = RedisBus(redis_server.url, Keys(key_prefix))
-    yield bus
-    await bus.aclose()
 
 
 async def test_a_session_never_opened_has_no_status_fence_or_snapshot(bus):
