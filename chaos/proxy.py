@@ -115,6 +115,8 @@ class Route:
         self._flowing.set()
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        """Every connection's task and its pipes' tasks, each removed as it ends."""
+        self._closing = False
 
     # -- the nemesis's side (any thread) ---------------------------------------------
 
@@ -141,6 +143,7 @@ class Route:
             self.ports[upstream] = int(server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        self._closing = True
         for server in self._servers:
             server.close()
         # Every connection's task (those still connecting upstream included) ends here,
@@ -155,13 +158,19 @@ class Route:
     async def _serve(
         self, upstream: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if self._closing:  # accepted as the route closed: its task starts only now
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
+        self._track(task)
+        await self._forward(upstream, reader, writer)
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        """Keep ``task`` until it ends, however it ends: ``close`` waits for the tasks
+        kept, and one that stayed after its end kept ``close`` looping for ever."""
         self._tasks.add(task)
-        try:
-            await self._forward(upstream, reader, writer)
-        finally:
-            self._tasks.discard(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forward(
         self, upstream: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -179,15 +188,17 @@ class Route:
             asyncio.create_task(self._pipe(reader, up_writer, requests=True)),
             asyncio.create_task(self._pipe(up_reader, writer, rewriter=rewriter)),
         ]
-        self._tasks.update(pipes)
+        for task in pipes:
+            self._track(task)
         try:
             await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in pipes:
                 task.cancel()
-            await asyncio.gather(*pipes, return_exceptions=True)
-            self._tasks.difference_update(pipes)
-            await _close(writer, up_writer)
+            try:
+                await asyncio.gather(*pipes, return_exceptions=True)
+            finally:  # cancelled while its pipes end (the route closing): still closed
+                await _close(writer, up_writer)
 
     async def _pipe(
         self,

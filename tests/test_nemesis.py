@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from chaos.checker import COUNTS
 from chaos.hosts import PREFIX
 from chaos.nemesis import faults_for
-from chaos.proxy import AddressRewriter, Proxies
+from chaos.proxy import AddressRewriter, Proxies, Route
 from dataplane.cluster import cluster_client
 from tests.processes import ROOT
 from tests.redis_cluster import RedisCluster
@@ -188,3 +188,40 @@ async def test_a_cluster_client_on_a_route_reaches_every_node_through_it(
         assert await asyncio.wait_for(read, 5) == b"7"
     finally:
         await client.aclose()
+
+
+async def test_a_route_closes_every_connection_however_far_its_end_had_got():
+    """A connection whose upstream ended (its task then cancels and waits for its pipes)
+    is cancelled again by the route's close at that moment: the close still ends, with
+    no task kept and both sockets closed; and a connection accepted as the route closes
+    (its task starting only after) is closed too, not served on."""
+    loop = asyncio.get_running_loop()
+
+    async def upstream_ends(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()  # the node goes away at once
+
+    node = await asyncio.start_server(upstream_ends, "127.0.0.1", 0)
+    node_port = node.sockets[0].getsockname()[1]
+    try:
+        for rounds in range(40):
+            route = Route("r", loop, "127.0.0.1")
+            await route.open([node_port], rewrite=False)
+            _, client = await asyncio.open_connection("127.0.0.1", route.ports[node_port])
+            for _ in range(rounds):  # each round reaches a later step of the connection's end
+                await asyncio.sleep(0)
+            for task in list(route._tasks):  # the close's first cancel, at this step
+                task.cancel()
+            async with asyncio.timeout(5):
+                await route.close()
+            assert route._tasks == set()
+            client.close()
+        route = Route("late", loop, "127.0.0.1")
+        await route.open([node_port], rewrite=False)
+        _, client = await asyncio.open_connection("127.0.0.1", route.ports[node_port])
+        await route.close()  # the accepted connection's task has not started yet
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert route._tasks == set()
+        client.close()
+    finally:
+        node.close()
