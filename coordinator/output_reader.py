@@ -105,8 +105,9 @@ class OutputReader:
         self._pacer = Pacer(bus.linger_ms)
         self._closing = False
         self._bells = BellReader(
-            bus, CLIENT, self._ring, block_ms=block_ms, running=lambda: not self._closing
-        )
+            bus, CLIENT, self._ring, block_ms=block_ms, running=lambda: not self._closing,
+            on_gap=self._dirty.sweep_now,
+        )  # fmt: skip
         self._bell_task: asyncio.Task[None] | None = None
 
     def _ring(self, session_id: str, _kind: str) -> None:

@@ -6,7 +6,8 @@ costs O(sessions) per round, and rounds grow with the load. Instead, every
 script that writes a stream rings its consumer's bell in the session's
 partition (``schemas.keys``), in the same atomic step. A reader blocks on its
 consumer's bells only (``PARTITIONS`` keys, whatever the number of sessions),
-and then reads just the sessions that rang (``Dirty``), one XREAD per slot.
+and then reads just the sessions that rang (``Dirty``), one XREAD per slot. On a
+cluster the bells are shard channels instead of streams (``dataplane.bell_channels``).
 
 A ring is a hint, never the data: the streams stay the truth. A reader that
 missed rings (a bell is capped at ``BELL_LENGTH``; a reader started after the
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from dataplane.bell_channels import ChannelBells
 from dataplane.bus import RedisBus
 from dataplane.pacing import Pacer
 
@@ -67,18 +69,29 @@ class BellReader:
         *,
         block_ms: int,
         running: Callable[[], bool] = lambda: True,
+        on_gap: Callable[[], None] = lambda: None,
     ) -> None:
         self.bus = bus
         self.bells = bus.keys.bells(consumer)
         self.on_ring = on_ring
         self.block_ms = block_ms
         self.running = running
+        self.on_gap = on_gap
+        """Called when rings may have been missed (on a cluster, the bells' channels were
+        subscribed to again): the reader then reads every session it follows."""
         self.started = asyncio.Event()
         """Set once the bells' positions are known: every ring after it is seen. Readers
         take or attach sessions only then, or a ring in between would be missed."""
 
     async def run(self) -> None:
         """Read rings until ``running()`` turns false; blocking reads end by themselves."""
+        if self.bus.cluster:
+            channels = ChannelBells(
+                self.bus.client, self.bells, self.on_ring, self.on_gap, self.started,
+                idle_s=self.block_ms / 1000, running=self.running,
+            )  # fmt: skip
+            await channels.run()
+            return
         while True:
             try:
                 cursors = await self.bus.tails(self.bells)
@@ -126,6 +139,11 @@ class Dirty:
 
     def mark_all(self, session_ids: Iterable[str]) -> None:
         self.pending.update(session_ids)
+        self.ready.set()
+
+    def sweep_now(self) -> None:
+        """Make the next round a sweep: rings may have been missed."""
+        self._swept = float("-inf")
         self.ready.set()
 
     def sweep_due(self) -> bool:

@@ -49,7 +49,7 @@ from dataplane.batching import RedisPyPipe, ScriptBatcher, split_flags
 from dataplane.cluster import cluster_client
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
-from dataplane.node_lanes import NodeLanes, SlotReader
+from dataplane.node_lanes import NodeLanes
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner
 from schemas.keys import Keys
@@ -121,7 +121,7 @@ def parse_raw_read_reply(reply: Any) -> list[Entry]:
     return entries
 
 
-Reader = Lane | SlotReader | aioredis.Redis
+Reader = Lane | aioredis.Redis
 """A dedicated connection for blocking reads (``RedisBus.stream_reader``)."""
 
 
@@ -264,7 +264,8 @@ class RedisBus:
 
     def _register(self, body: str) -> Any:
         flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only
-        return self.client.register_script(flags + scripts.PRELUDE + rest)
+        prelude = scripts.prelude(channel_bells=self.cluster)  # a cluster's bells: channels
+        return self.client.register_script(flags + prelude + rest)
 
     def register(self, body: str) -> Any:
         """A Lua script of another module, for ``run`` and ``run_many`` (with the
@@ -278,12 +279,8 @@ class RedisBus:
 
     def stream_reader(self, block_ms: int) -> Reader:
         """A dedicated connection for blocking XREADs of up to ``block_ms`` (``xread``):
-        a lane of its own where the bus has lanes; on a plain-TCP cluster, for one slot's
-        streams, a lane to the node serving it (``dataplane.node_lanes.SlotReader``)."""
-        if self.lane is None and self._node_lanes is not None:
-            conn = SlotReader(self._node_lanes, self.reader(block_ms))
-            self._readers.append(conn)
-            return conn
+        a lane of its own where the bus has lanes, else a redis-py connection (a cluster's
+        bells, read most, are channels: ``dataplane.bell_channels``)."""
         if self.lane is None:
             return self.reader(block_ms)
         lane = self._lane()
@@ -386,12 +383,6 @@ class RedisBus:
     ) -> list[Entry]:
         if not streams:
             return []
-        if isinstance(conn, SlotReader):
-            return await conn.read(
-                streams,
-                lambda lane: self.xread(lane, streams, count, block_ms),
-                lambda fallback: self.xread(fallback, streams, count, block_ms),
-            )
         if isinstance(conn, Lane):
             block = () if block_ms is None else ("BLOCK", block_ms)
             reply = await conn.execute(

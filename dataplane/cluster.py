@@ -41,6 +41,7 @@ from typing import Any
 from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
@@ -74,6 +75,24 @@ FAILOVER_ERRORS: tuple[type[BaseException], ...] = (
     RedisClusterException,  # no node reachable while the slot map was learnt
 )
 """Errors that mean "the cluster is changing": retried with the slot map learnt again."""
+
+
+SLOT_CACHE = 65_536
+"""Keys whose slot is remembered (``slot_of``); the memory is emptied when full."""
+
+_slots: dict[str, int] = {}
+
+
+def slot_of(key: str) -> int:
+    """The cluster slot of ``key``, remembered: a process names the same keys on every
+    round (its sessions' streams, its bells), and redis-py computes CRC16 in Python, a
+    microsecond or two a key, several keys an event."""
+    slot = _slots.get(key)
+    if slot is None:
+        if len(_slots) >= SLOT_CACHE:
+            _slots.clear()
+        slot = _slots[key] = key_slot(key.encode())
+    return slot
 
 
 _READ_OPTIONS = {"COUNT": 1, "BLOCK": 1, "GROUP": 2, "NOACK": 0}
@@ -199,6 +218,10 @@ class ClusterClient(RedisCluster):
                 await self.refresh()
         finally:
             _in_command.reset(token)
+
+    def keyslot(self, key: Any) -> int:
+        """The slot of ``key``, remembered for a text key (``slot_of``)."""
+        return slot_of(key) if isinstance(key, str) else int(super().keyslot(key))
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         """A stream read's slot is its streams' slot, found here. redis-py asks a node

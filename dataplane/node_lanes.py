@@ -16,11 +16,11 @@ redirection or a failover. A group that meets any of those here (``MOVED``,
 through redis-py's client, which follows the redirection or waits out the
 failover with its retries (``dataplane.cluster``); a node's lane never
 retries on its own, so a dead node costs one failed write, not a lane's
-backoff. These shared lanes carry only reads that do not block: a blocking
-read holds its connection, and so does a script batch's ``WAIT`` for a
-replica. The bells' blocking reads each have a lane of their own
-(``SlotReader``), and script batches a lane each while in flight, from a pool
-per node (``dataplane.replicated``), both made by ``NodeLanes.new_lane``.
+backoff. These shared lanes carry only reads that do not block: a script batch's
+``WAIT`` for a replica holds its connection, so script batches have a lane each
+while in flight, from a pool per node (``dataplane.replicated``), made by
+``NodeLanes.new_lane``. The bells are channels on a cluster, followed on
+connections of their own (``dataplane.bell_channels``).
 
 ``tests/test_cluster.py`` reads streams on every primary this way, after a
 slot moved, and after a primary died.
@@ -34,10 +34,9 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from redis.cluster import ClusterParser
-from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, ReadOnlyError, ResponseError
 
-from dataplane.cluster import FAILOVER_ERRORS
+from dataplane.cluster import FAILOVER_ERRORS, slot_of
 from dataplane.lane import Lane
 
 T = TypeVar("T")
@@ -89,7 +88,7 @@ class NodeLanes:
         read with ``again`` (redis-py's client)."""
         slots: dict[int, dict[str, str]] = {}
         for stream, last in streams.items():
-            slots.setdefault(key_slot(stream.encode()), {})[stream] = last
+            slots.setdefault(slot_of(stream), {})[stream] = last
         nodes: dict[str, tuple[Any, list[dict[str, str]]]] = {}
         manager = self.cluster.nodes_manager
         reads: list[Awaitable[list[T]]] = []
@@ -134,62 +133,6 @@ class NodeLanes:
         lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             await lane.aclose()
-
-
-class SlotReader:
-    """Blocking reads of one slot's streams (a group of bells) over a lane of its own to
-    the node serving the slot, instead of redis-py's cluster client: a blocking read
-    holds its connection, and on a cluster each slot's bells have a reader of their own,
-    read about once per event; through redis-py each of those reads was the largest
-    share of a worker's and a coordinator's CPU. A read that meets a redirection, a
-    failover or a lost connection is made through ``fallback`` (redis-py's, which
-    follows it and learns the slot map again); the next read finds the slot's node
-    again."""
-
-    def __init__(self, lanes: NodeLanes, fallback: Any) -> None:
-        self.lanes = lanes
-        self.fallback = fallback
-        """A redis-py cluster client for blocking reads (``RedisBus.reader``; its owner
-        closes it)."""
-        self._lane: Lane | None = None
-        self._node = ""
-
-    async def read(
-        self,
-        streams: Mapping[str, str],
-        on_lane: Callable[[Lane], Awaitable[list[T]]],
-        again: Callable[[Any], Awaitable[list[T]]],
-    ) -> list[T]:
-        """The read of ``streams`` (all in one slot) made by ``on_lane`` with the lane to
-        the slot's node, or by ``again(fallback)``."""
-        slot = key_slot(next(iter(streams)).encode())
-        try:
-            node = self.lanes.cluster.nodes_manager.get_node_from_slot(slot)
-        except ELSEWHERE:
-            return await self._elsewhere(again)
-        if node.name != self._node or self._lane is None:
-            if self._lane is not None:
-                await self._lane.aclose()
-            self._lane, self._node = self.lanes.new_lane(node), node.name
-        try:
-            return await on_lane(self._lane)
-        except Exception as exc:
-            if elsewhere(exc):
-                return await self._elsewhere(again)
-            raise
-
-    async def _elsewhere(self, again: Callable[[Any], Awaitable[list[T]]]) -> list[T]:
-        """The read through ``fallback``; then the client that the lanes' nodes come
-        from learns the slot map again (the fallback learnt it for itself only), so the
-        next read finds the slot's node."""
-        entries = await again(self.fallback)
-        await self.lanes.cluster.refresh()
-        return entries
-
-    async def aclose(self) -> None:
-        if self._lane is not None:
-            await self._lane.aclose()
-            self._lane = None
 
 
 def elsewhere(error: Exception) -> bool:

@@ -58,7 +58,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
 from dataplane.batching import (
@@ -70,7 +69,7 @@ from dataplane.batching import (
     multi_of,
     settle,
 )
-from dataplane.cluster import FAILOVER_ERRORS, RETRY_S
+from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, slot_of
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.metrics import UNREPLICATED_WRITES
@@ -243,7 +242,7 @@ class ReplicatedRunner:
         fixed cost in Redis, and the rings its streams' bells get, once per group."""
         groups: dict[tuple[str, int], list[Call]] = {}
         for call in calls:
-            slot = key_slot(call.keys[0].encode()) if call.keys else -1
+            slot = slot_of(call.keys[0]) if call.keys else -1
             groups.setdefault((call.script.sha, slot), []).append(call)
         loads = self._multi_loads(node, groups.values())
         commands = [*loads, *(group_command(g, self._multi) for g in groups.values())]

@@ -32,7 +32,7 @@ META_LAYOUT = (
 """The value of a session meta hash's ``layout`` field, written at open: a value this long
 makes Redis keep the hash as a hash table (``tests/test_authority.py``)."""
 
-PRELUDE = (
+_SHARED = (
     f"local BELL_LENGTH = {BELL_LENGTH}\n"
     f"local LAYOUT = '{META_LAYOUT}'\n"
     + r"""
@@ -142,11 +142,21 @@ end
 -- ring entry names its sessions by kind: field 'd' and field 'c', each a msgpack array
 -- of session ids (one string to make in Lua, whatever the number of sessions). In a
 -- multi (``multi_start``) the rings wait in RINGS and each bell gets one entry for all
--- of them once every call has run: still the same atomic step.
+-- of them once every call has run: still the same atomic step. On a cluster a bell is
+-- a shard channel (``dataplane.bell_channels``): each kind's ring is one message, the
+-- kind then the array, sent to the readers subscribed now and kept nowhere.
 local RINGS
+local function sound(bell, fields)
+  if CHANNEL_BELLS then
+    for i = 1, #fields, 2 do redis.call('SPUBLISH', bell, fields[i] .. fields[i + 1]) end
+  else
+    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', unpack(fields))
+  end
+end
+
 local function ring(bell, sid, kind)
   if not RINGS then
-    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', kind, '\145' .. short_str(sid))
+    sound(bell, {kind, '\145' .. short_str(sid)})
     return
   end
   local queued = RINGS[bell]
@@ -176,7 +186,7 @@ local function multi_finish()
         fields[#fields + 1] = cmsgpack.pack(rung[kind])
       end
     end
-    redis.call('XADD', bell, 'MAXLEN', '~', BELL_LENGTH, '*', unpack(fields))
+    sound(bell, fields)
   end
   RINGS = nil
 end
@@ -215,6 +225,16 @@ end
     + BODY_MARK
     + "\nbegin()\n"
 )
+
+
+def prelude(*, channel_bells: bool) -> str:
+    """The definitions every script starts with; ``channel_bells``: bells are shard
+    channels (on a cluster, ``dataplane.bell_channels``), not streams."""
+    return f"local CHANNEL_BELLS = {'true' if channel_bells else 'false'}\n" + _SHARED
+
+
+PRELUDE = prelude(channel_bells=False)
+"""The prelude on one Redis, where each bell is a stream."""
 
 # KEYS: meta in ctl out prog client_bell (stage_out lease bell)*
 # ARGV: sid caps now_ms requested_inc(-1: next free) producer pseq

@@ -12,7 +12,8 @@ readers, ``CLIENT``): every script that writes a stream a consumer reads rings
 that consumer's bell in the same step with the session id. Readers block on
 their bells and then read only the sessions that rang, never every session
 they follow. On Redis Cluster (``Keys(cluster=True)``) each partition has its
-own bells, in its slot; on one Redis a consumer has a single bell.
+own bells, in its slot, each a shard channel rather than a stream
+(``dataplane.bell_channels``); on one Redis a consumer has a single bell.
 
 ==========================  ======  =============================================
 key                         type    contents
@@ -38,7 +39,8 @@ dq:models:{stage}           hash    worker id -> JSON: the model it serves, whet
                                     it is the random-weight fallback, load time
 dq:bell[:{p}]:{consumer}    stream  session ids whose streams for ``consumer``
                                     changed (fields ``d`` data, ``c`` control:
-                                    msgpack arrays), capped at ``BELL_LENGTH``
+                                    msgpack arrays), capped at ``BELL_LENGTH``;
+                                    on a cluster a shard channel, not a key
 dq:resume:{sha256}          string  resume token digest -> session id (24 h TTL)
 dq:sessions                 zset    open session ids -> opened at (ms)
 dq:{live}:all               zset    live session ids -> counted until (ms): admission

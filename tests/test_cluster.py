@@ -19,7 +19,6 @@ import redis
 from coordinator.service import Coordinator
 from dataplane.bus import RedisBus
 from dataplane.cluster import cluster_client, seed_nodes, stream_read_keys
-from dataplane.node_lanes import SlotReader
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import CLIENT, Keys
@@ -171,37 +170,6 @@ async def test_a_read_sent_to_a_node_that_no_longer_serves_its_slot_follows_the_
         entries = await bus.xread_now({moved: "0", stays: "0"}, 10)
         assert sorted(e.stream for e in entries) == [moved, stays]
         assert manager.get_node_from_slot(slot).port == owner.port
-    finally:
-        await bus.aclose()
-
-
-async def test_a_blocking_read_of_one_slot_goes_over_a_lane_and_follows_a_redirection(
-    redis_cluster,
-):
-    """A stream reader on a cluster (the bells' blocking reads) reads its slot's streams
-    over a lane to the node serving the slot (``dataplane.node_lanes.SlotReader``); a
-    read the node answers with MOVED is read through redis-py's client, which learns
-    where the slot is, and the next read goes over a lane to that node."""
-    bus = RedisBus(redis_cluster.url)
-    try:
-        stream = "{bell-moved}b"
-        await bus.client.xadd(stream, {"f": "1"})
-        reader = bus.stream_reader(200)
-        assert isinstance(reader, SlotReader)
-        entries = await bus.xread(reader, {stream: "0"}, 10, 200)
-        assert [e.stream for e in entries] == [stream]
-        owner = redis_cluster.primary_of(stream)
-        assert reader._lane is not None and reader._lane.port == owner.port
-        manager, slot = _map_slot_to_another_primary(bus, stream, owner.port)
-        entries = await bus.xread(reader, {stream: "0"}, 10, 200)
-        assert [e.stream for e in entries] == [stream]
-        assert manager.get_node_from_slot(slot).port == owner.port
-        last = entries[0].id
-        waiting = asyncio.create_task(bus.xread(reader, {stream: last}, 10, 2000))
-        await asyncio.sleep(0.1)
-        await bus.client.xadd(stream, {"f": "2"})
-        assert [e.fields[b"f"] for e in await waiting] == [b"2"]
-        assert reader._lane.port == owner.port
     finally:
         await bus.aclose()
 

@@ -24,37 +24,32 @@ from dataplane.readiness import withdraw
 from schemas.config import echo_pipeline
 from schemas.events import OutputEvent, OutputKind, TextPayload
 from schemas.keys import CLIENT, Keys, worker_bell
+from tests.bell_tap import BellTap, stored_rings
 from tests.pipeline_helpers import fast_settings, outputs_of, read_until, running_worker
 from workers.ownership import StageOwnership
 
 PIPELINE = echo_pipeline("echo", "next")  # echo reads the input, next reads echo
 
 
-async def rings(bus: RedisBus, consumer: str) -> list[tuple[str, str]]:
-    """Every ring on ``consumer``'s bells: (session id, kind)."""
-    out = []
-    for bell in bus.keys.bells(consumer):
-        for entry in await bus.xrange(bell):
-            out += rings_of(entry.fields)
-    return out
-
-
 async def test_an_append_rings_the_holder_only(redis_url, key_prefix):
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
-        authority = SessionAuthority(bus, PIPELINE)
-        await authority.open("s1")
-        await authority.append("s1", "append_text", TextPayload("before anyone holds it"))
-        assert await rings(bus, worker_bell("echo", "w1")) == []  # nobody to tell
-        assert await rings(bus, "echo") == []  # the stage's own bell is never rung
+        async with BellTap(
+            bus, [worker_bell("echo", "w1"), worker_bell("echo", "w2"), "echo"]
+        ) as tap:
+            authority = SessionAuthority(bus, PIPELINE)
+            await authority.open("s1")
+            await authority.append("s1", "append_text", TextPayload("before anyone holds it"))
+            assert await tap.rings(worker_bell("echo", "w1")) == []  # nobody to tell
+            assert await tap.rings("echo") == []  # the stage's own bell is never rung
 
-        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w1", 5000).acquire("s1", 0)
-        assert lease is not None
-        await authority.append("s1", "append_text", TextPayload("hello"))
-        await authority.cancel("s1", reason="barge_in")
-        assert await rings(bus, worker_bell("echo", "w1")) == [("s1", "d"), ("s1", "c")]
-        assert await rings(bus, worker_bell("echo", "w2")) == []
-        assert await rings(bus, "echo") == []
+            _, lease = await StageOwnership(bus, PIPELINE, "echo", "w1", 5000).acquire("s1", 0)
+            assert lease is not None
+            await authority.append("s1", "append_text", TextPayload("hello"))
+            await authority.cancel("s1", reason="barge_in")
+            assert await tap.rings(worker_bell("echo", "w1")) == [("s1", "d"), ("s1", "c")]
+            assert await tap.rings(worker_bell("echo", "w2")) == []
+            assert await tap.rings("echo") == []
     finally:
         await bus.aclose()
 
@@ -64,20 +59,23 @@ async def test_a_worker_whose_id_has_spaces_is_rung_on_its_own_bell(redis_url, k
     # "<worker> <token> <incarnation>": a worker id may hold spaces of its own.
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
-        authority = SessionAuthority(bus, PIPELINE)
-        await authority.open("s1")
-        owner = StageOwnership(bus, PIPELINE, "echo", "host a 1", 5000)
-        _, lease = await owner.acquire("s1", 0)
-        assert lease is not None
-        await authority.append("s1", "append_text", TextPayload("hello"))
-        assert await rings(bus, worker_bell("echo", "host a 1")) == [("s1", "d")]
-        assert await rings(bus, worker_bell("echo", "host a")) == []
-        assert await rings(bus, worker_bell("echo", "host")) == []
-        out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
-        published = await owner.publish(
-            lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1
-        )
-        assert published.status == "ok"  # the lease holds: its token is found in the value
+        async with BellTap(
+            bus, [*(worker_bell("echo", w) for w in ("host a 1", "host a", "host"))]
+        ) as tap:
+            authority = SessionAuthority(bus, PIPELINE)
+            await authority.open("s1")
+            owner = StageOwnership(bus, PIPELINE, "echo", "host a 1", 5000)
+            _, lease = await owner.acquire("s1", 0)
+            assert lease is not None
+            await authority.append("s1", "append_text", TextPayload("hello"))
+            assert await tap.rings(worker_bell("echo", "host a 1")) == [("s1", "d")]
+            assert await tap.rings(worker_bell("echo", "host a")) == []
+            assert await tap.rings(worker_bell("echo", "host")) == []
+            out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+            published = await owner.publish(
+                lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1
+            )
+            assert published.status == "ok"  # the lease holds: its token is found in the value
     finally:
         await bus.aclose()
 
@@ -87,25 +85,26 @@ async def test_rings_follow_the_lease_from_holder_to_holder(redis_url, key_prefi
     # next acquire replaces it.
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
-        authority = SessionAuthority(bus, PIPELINE)
-        await authority.open("s1")
-        first = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
-        _, lease = await first.acquire("s1", 0)
-        assert lease is not None
-        await first.release(lease, hand_back=False)
-        await authority.append("s1", "append_text", TextPayload("nobody holds it"))
-        assert await rings(bus, worker_bell("echo", "w1")) == []
+        async with BellTap(bus, [*(worker_bell("echo", w) for w in ("w1", "w2", "w3"))]) as tap:
+            authority = SessionAuthority(bus, PIPELINE)
+            await authority.open("s1")
+            first = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
+            _, lease = await first.acquire("s1", 0)
+            assert lease is not None
+            await first.release(lease, hand_back=False)
+            await authority.append("s1", "append_text", TextPayload("nobody holds it"))
+            assert await tap.rings(worker_bell("echo", "w1")) == []
 
-        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w2", 5000).acquire("s1", 0)
-        assert lease is not None
-        await bus.client.delete(bus.keys.session("s1").lease("echo"))  # w2's lease expired
-        _, lease = await StageOwnership(bus, PIPELINE, "echo", "w3", 5000).acquire("s1", 0)
-        assert lease is not None
-        await authority.append("s1", "append_text", TextPayload("w3 holds it"))
-        await authority.cancel("s1", reason="barge_in")
-        assert await rings(bus, worker_bell("echo", "w3")) == [("s1", "d"), ("s1", "c")]
-        assert await rings(bus, worker_bell("echo", "w2")) == [("s1", "c")]  # w3's failover
-        assert await rings(bus, worker_bell("echo", "w1")) == []
+            _, lease = await StageOwnership(bus, PIPELINE, "echo", "w2", 5000).acquire("s1", 0)
+            assert lease is not None
+            await bus.client.delete(bus.keys.session("s1").lease("echo"))  # w2's lease expired
+            _, lease = await StageOwnership(bus, PIPELINE, "echo", "w3", 5000).acquire("s1", 0)
+            assert lease is not None
+            await authority.append("s1", "append_text", TextPayload("w3 holds it"))
+            await authority.cancel("s1", reason="barge_in")
+            assert await tap.rings(worker_bell("echo", "w3")) == [("s1", "d"), ("s1", "c")]
+            assert await tap.rings(worker_bell("echo", "w2")) == [("s1", "c")]  # w3's failover
+            assert await tap.rings(worker_bell("echo", "w1")) == []
     finally:
         await bus.aclose()
 
@@ -113,23 +112,30 @@ async def test_rings_follow_the_lease_from_holder_to_holder(redis_url, key_prefi
 async def test_a_publish_rings_the_next_stages_holder_and_the_coordinators(redis_url, key_prefix):
     bus = RedisBus(redis_url, Keys(key_prefix))
     try:
-        await SessionAuthority(bus, PIPELINE).open("s1")
-        echo = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
-        _, lease = await echo.acquire("s1", 0)
-        assert lease is not None
-        _, held = await StageOwnership(bus, PIPELINE, "next", "w7", 5000).acquire("s1", 0)
-        assert held is not None
-        out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
-        await echo.publish(lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1)
-        assert await rings(bus, worker_bell("next", "w7")) == [("s1", "d")]
-        assert await rings(bus, worker_bell("next", "w1")) == []
-        assert await rings(bus, "next") == []
-        assert await rings(bus, CLIENT) == []  # echo is not client-facing
+        async with BellTap(
+            bus, [worker_bell("next", "w7"), worker_bell("next", "w1"), "next", CLIENT]
+        ) as tap:
+            await SessionAuthority(bus, PIPELINE).open("s1")
+            echo = StageOwnership(bus, PIPELINE, "echo", "w1", 5000)
+            _, lease = await echo.acquire("s1", 0)
+            assert lease is not None
+            _, held = await StageOwnership(bus, PIPELINE, "next", "w7", 5000).acquire("s1", 0)
+            assert held is not None
+            out = OutputEvent(lease.fence, "echo", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+            await echo.publish(
+                lease, [(lease.fence, [out])], applied_seq=1, read_id="1-0", out_seq=1
+            )
+            assert await tap.rings(worker_bell("next", "w7")) == [("s1", "d")]
+            assert await tap.rings(worker_bell("next", "w1")) == []
+            assert await tap.rings("next") == []
+            assert await tap.rings(CLIENT) == []  # echo is not client-facing
 
-        nxt = StageOwnership(bus, PIPELINE, "next", "w7", 5000)
-        reply = OutputEvent(held.fence, "next", OutputKind.TEXT_DELTA, 1, 1, text="hi")
-        await nxt.publish(held, [(held.fence, [reply])], applied_seq=1, read_id="1-0", out_seq=1)
-        assert await rings(bus, CLIENT) == [("s1", "d")]
+            nxt = StageOwnership(bus, PIPELINE, "next", "w7", 5000)
+            reply = OutputEvent(held.fence, "next", OutputKind.TEXT_DELTA, 1, 1, text="hi")
+            await nxt.publish(
+                held, [(held.fence, [reply])], applied_seq=1, read_id="1-0", out_seq=1
+            )
+            assert await tap.rings(CLIENT) == [("s1", "d")]
     finally:
         await bus.aclose()
 
@@ -245,14 +251,14 @@ async def test_a_stopping_worker_deletes_its_bells_and_the_audit_those_of_the_de
             for bell in bus.keys.bells(worker_bell("echo", worker)):
                 await bus.client.xadd(bell, {"s": "s1", "k": "d"})
         await withdraw(bus, "echo", "w1")  # w1 stops
-        assert await rings(bus, worker_bell("echo", "w1")) == []
-        assert await rings(bus, worker_bell("echo", "w2"))
+        assert await stored_rings(bus, worker_bell("echo", "w1")) == []
+        assert await stored_rings(bus, worker_bell("echo", "w2"))
 
         # w2 was killed: silent for longer than the audit waits, it is forgotten.
         long_ago = time.time() * 1000 - 3_600_000
         await bus.client.zadd(bus.keys.workers("echo"), {"w2": long_ago})
         state = ControlState(settings, PIPELINE, bus)
         assert await _forget_dead_workers(state, "echo", int(time.time() * 1000)) == 1
-        assert await rings(bus, worker_bell("echo", "w2")) == []
+        assert await stored_rings(bus, worker_bell("echo", "w2")) == []
     finally:
         await bus.aclose()

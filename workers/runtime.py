@@ -135,7 +135,7 @@ class Worker:
         self._control = Dirty(settings.sweep_ms)
         self._bells = BellReader(
             self.bus, worker_bell(stage, self.worker_id), self._ring, block_ms=settings.block_ms,
-            running=lambda: self.state is WorkerState.RUNNING,
+            running=lambda: self.state is WorkerState.RUNNING, on_gap=self._rings_missed,
         )  # fmt: skip
         self._stopping = asyncio.Event()
         self._quiet_rounds = 0
@@ -236,6 +236,11 @@ class Worker:
             self._data.mark(session_id)
             if kind == "c":
                 self._control.mark(session_id)
+
+    def _rings_missed(self) -> None:
+        """Rings may have been lost (``BellReader.on_gap``): read every session now."""
+        self._data.sweep_now()
+        self._control.sweep_now()
 
     # -- taking sessions -------------------------------------------------------
 
