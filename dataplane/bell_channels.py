@@ -93,6 +93,7 @@ class ChannelBells:
     async def run(self) -> None:
         """Subscribe, follow, and subscribe again after every loss, until ``running()``
         turns false (noticed within ``idle_s``)."""
+        failing = False  # logged once per outage, not once per attempt
         while self.running():
             subscribed: list[_Subscribed] = []
             try:
@@ -102,10 +103,15 @@ class ChannelBells:
                 if self.started.is_set():
                     self.on_gap()  # rings between the old subscriptions and these
                 self.started.set()
+                if failing:
+                    log.info("bells subscribed again")
+                    failing = False
                 await self._follow_all(subscribed)
             except Exception as exc:
                 if self.running():
-                    log.warning("bell subscriptions lost (%s); subscribing again", exc)
+                    if not failing:
+                        log.warning("bell subscriptions lost (%s); subscribing again", exc)
+                    failing = True
                     await asyncio.sleep(0.2)
             finally:
                 for sub in subscribed:
