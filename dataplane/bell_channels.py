@@ -23,7 +23,8 @@ while is asked for a ``PING``; one that does not answer within the same while is
 taken as lost (a node cut off with its socket left open).
 
 ``tests/test_doorbells.py`` runs each ring test on a cluster too, and
-``tests/test_cluster.py`` follows bells through a slot moved to another primary.
+``tests/test_bell_channels.py`` follows bells through killed connections and a slot
+migrated to another primary.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ from dataplane.cluster import slot_of
 log = logging.getLogger("duplexq.bells")
 
 OnRing = Callable[[str, str], None]
+"""Called with (session id, kind) for each ring: ``d`` data, ``c`` control."""
 
-_session_ids = msgspec.msgpack.Decoder(list[str])
+SESSION_IDS = msgspec.msgpack.Decoder(list[str])
+"""The session ids of a ring: a msgpack array, as the scripts pack it."""
 
 
 def channel_rings(message: bytes) -> list[tuple[str, str]]:
     """The (session id, kind) rings of one channel message: the kind (``d`` or ``c``)
     then a msgpack array of the session ids rung with it (``dataplane.scripts``)."""
     kind = message[:1].decode()
-    return [(session_id, kind) for session_id in _session_ids.decode(message[1:])]
+    return [(session_id, kind) for session_id in SESSION_IDS.decode(message[1:])]
 
 
 class Moved(Exception):

@@ -27,9 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-import msgspec
-
-from dataplane.bell_channels import ChannelBells
+from dataplane.bell_channels import SESSION_IDS, ChannelBells, OnRing
 from dataplane.bus import RedisBus
 from dataplane.pacing import Pacer
 
@@ -38,12 +36,6 @@ log = logging.getLogger("duplexq.bells")
 RING_BATCH = 1024
 """Most rings one bell read returns."""
 
-OnRing = Callable[[str, str], None]
-"""Called with (session id, kind) for each ring: ``d`` data, ``c`` control."""
-
-
-_session_ids = msgspec.msgpack.Decoder(list[str])
-
 
 def rings_of(fields: dict[bytes, bytes]) -> list[tuple[str, str]]:
     """The (session id, kind) rings of one bell entry: fields ``d`` and ``c``, each a
@@ -51,7 +43,7 @@ def rings_of(fields: dict[bytes, bytes]) -> list[tuple[str, str]]:
     written before name each session as a field ``:<session id>`` valued with its kind,
     or as ``s=<session id>`` and ``k=<kind>``."""
     rings = [(session_id, kind) for kind in ("d", "c")
-             for session_id in _session_ids.decode(fields.get(kind.encode(), b"\x90"))]  # fmt: skip
+             for session_id in SESSION_IDS.decode(fields.get(kind.encode(), b"\x90"))]  # fmt: skip
     if b"s" in fields:
         rings.append((fields[b"s"].decode(), fields.get(b"k", b"d").decode()))
     rings += [(f[1:].decode(), k.decode()) for f, k in fields.items() if f[:1] == b":"]

@@ -9,7 +9,8 @@ plain-TCP Redis the hot path (every script call, the stream reads of the data
 and journal rounds) goes over ``RedisBus.lane`` instead, one pipelined
 connection (``dataplane.lane``), and each bell reader blocks on a lane of its
 own (``stream_reader``); elsewhere (TLS, unix sockets, a cluster) they use the
-pool and redis-py readers. Each blocking reader has its own connection, whose
+pool and redis-py readers (a cluster's bells are channels, followed by
+``dataplane.bell_channels``). Each blocking reader has its own connection, whose
 timeout exceeds its block time: a blocking XREAD(GROUP) must not be cut by the
 timeout, and a blocking read on a shared connection would hold up everyone
 behind it; loops let BLOCK expire instead of cancelling reads (a redis-py
