@@ -3,14 +3,17 @@
 A reader holds one connection per primary, subscribed to its bells of every slot
 there. A channel keeps nothing for a reader that was not listening, so whenever
 the reader subscribes again (its connection was lost, a slot moved to another
-primary) it is told (``on_gap``) and reads every session it follows; the
-rings after that reach it from wherever the slot is now served.
+primary, or the primary stopped answering its PING) it is told (``on_gap``) and
+reads every session it follows; the rings after that reach it from wherever the
+slot is now served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -180,5 +183,33 @@ async def test_calls_of_one_batch_ring_a_channel_once_per_kind(redis_cluster, ke
                 sorted((sid, "d") for sid in sessions),
                 sorted((sid, "c") for sid in sessions),
             ]
+    finally:
+        await bus.aclose()
+
+
+async def test_a_reader_whose_primary_stops_answering_subscribes_again(own_cluster):
+    """A primary that stops answering with its socket left open (stopped with SIGSTOP,
+    for less than the cluster's node timeout, so no failover) sends nothing, not even a
+    closed socket: the reader's PING goes unanswered, it subscribes again once the node
+    answers, and is told of the gap."""
+    bus = RedisBus(own_cluster.url, Keys("quiet"))
+    try:
+        authority = await held_session(bus, "s1")
+        node = own_cluster.primary_of(bus.keys.session("s1").bell(BELL))
+        assert node.proc is not None
+        async with reading(bus) as heard:
+            await authority.append("s1", "append_text", TextPayload("before"))
+            await heard.until(("s1", "d"))
+            os.kill(node.proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.8)  # four of the reader's quiet spells (block_ms 200)
+            finally:
+                os.kill(node.proc.pid, signal.SIGCONT)
+            async with asyncio.timeout(10):
+                while heard.gaps < 1:
+                    await asyncio.sleep(0.01)
+            heard.rings.clear()
+            await authority.append("s1", "append_text", TextPayload("after"))
+            await heard.until(("s1", "d"), gaps=1)
     finally:
         await bus.aclose()
