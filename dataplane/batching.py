@@ -18,16 +18,7 @@ reply, each batch would wait for an fsync of its own, where a whole turn's
 appends share one (docs/scaling.md measures both).
 
 Several calls of one script in a batch go as one call of its *multi* form
-(``multi_script``): the script run once per call inside one EVALSHA, each call
-with its own KEYS and ARGV and its own reply (an error in one is that call's
-error only). In Redis a script call costs a few microseconds before it does
-anything (parsing the command, finding the script, entering Lua), and that is
-paid once per batch instead of once per call (``tests/test_batching.py``). The
-calls of a multi run one after the other, atomically together, which is
-stronger than each one atomic. A script with the shared prelude
-(``dataplane.scripts``) has its functions defined once per multi, and its
-calls' rings written once per bell when all of them have run
-(``tests/test_doorbells.py``).
+(``dataplane.multi``): one script call's fixed cost in Redis, paid once per batch.
 
 Ordering. A producer makes its calls on one session one at a time (it waits
 for each reply), so two calls that must stay in order are never in the same
@@ -43,133 +34,16 @@ scripts are loaded and those calls are sent again, in their order.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
 
+from dataplane.multi import Multi, group_command, group_replies, multi_of
 from dataplane.pacing import Pacer
-from dataplane.scripts import BODY_MARK
 
 MAX_BATCH = 256
 """Most calls one pipeline carries; a turn with more sends several."""
-
-_MULTI_LOOP = """
-local all_keys, all_args = KEYS, ARGV
-local replies = {}
-START()
-local calls, at_key, at_arg = tonumber(all_args[1]), 1, 2
-local nkeys, nargs
-local uniform = calls < 0  -- every call has the same numbers of keys and args, given once
-if uniform then
-  calls, nkeys, nargs, at_arg = -calls, tonumber(all_args[2]), tonumber(all_args[3]), 4
-end
-for c = 1, calls do
-  if not uniform then
-    nkeys, nargs = tonumber(all_args[at_arg]), tonumber(all_args[at_arg + 1])
-    at_arg = at_arg + 2
-  end
-  KEYS = {unpack(all_keys, at_key, at_key + nkeys - 1)}
-  ARGV = {unpack(all_args, at_arg, at_arg + nargs - 1)}
-  at_key = at_key + nkeys
-  at_arg = at_arg + nargs
-  local ok, reply = pcall(run)
-  if not ok then
-    reply = {err = tostring(reply)}
-  elseif reply == nil then
-    reply = false
-  end
-  replies[c] = reply
-end
-FINISH()
-return replies
-"""
-
-
-class Multi:
-    """A script's multi form: ARGV is the number of calls, then for each call the
-    number of its keys and of its args, then its args; KEYS are the calls' keys one
-    after the other. Replies: one per call, in order.
-
-    When every call has as many keys and args as the first (a batch of appends, or of
-    publishes of one stage, mostly has), ARGV is minus the number of calls, the numbers
-    of keys and args once, then the calls' args: two arguments fewer per call, each one
-    made into a Lua string and a number in Redis and packed here."""
-
-    __slots__ = ("script", "sent", "sha")
-
-    def __init__(self, script: str) -> None:
-        self.script = script
-        self.sha = hashlib.sha1(script.encode()).hexdigest()
-        self.sent = False
-        """Sent (or loaded) once already by this batcher."""
-
-
-def split_flags(script: str) -> tuple[str, str]:
-    """``script``'s first line when it declares Redis script flags (``#!lua flags=...``),
-    and the rest; ``("", script)`` when it declares none. Redis reads the flags only on
-    a script's first line, and anywhere else the line does not compile."""
-    if not script.startswith("#!"):
-        return "", script
-    line, _, rest = script.partition("\n")
-    return line + "\n", rest
-
-
-def multi_script(script: str) -> Multi:
-    """``script`` run once per call, its KEYS and ARGV (the upvalues it reads) set for
-    each, its error caught as that call's error reply. What comes before the script's
-    ``BODY_MARK`` (the shared prelude's functions) is defined once, not per call. The
-    multi carries the script's flags (``split_flags``) on its first line, so Redis runs
-    it as it would run the script (a multi of lease renewals runs on a full Redis too)."""
-    flags, script = split_flags(script)
-    shared, mark, own = script.rpartition(BODY_MARK)
-    start, finish = "multi_start()", "multi_finish()"  # the prelude's (queued rings)
-    if not mark:  # a script without the prelude: all of it runs per call
-        shared, own, start, finish = "", script, "", ""
-    text = f"local KEYS, ARGV = KEYS, ARGV\n{shared}\nlocal function run()\n{own}\nend\n"
-    loop = _MULTI_LOOP.replace("START()", start).replace("FINISH()", finish)
-    return Multi(flags + text + loop)
-
-
-def multi_of(multis: dict[str, Multi], script: Any) -> Multi:
-    """``script``'s multi form, made once and kept in ``multis`` (by the script's sha)."""
-    multi = multis.get(script.sha)
-    if multi is None:
-        multi = multis[script.sha] = multi_script(script.script)
-    return multi
-
-
-def group_command(group: Sequence[Call], multi: Callable[[Any], Multi]) -> tuple[Any, ...]:
-    """One EVALSHA for ``group``, calls of one script: the script itself for a lone
-    call, its multi form (``multi(script)``) for several."""
-    if len(group) == 1:
-        call = group[0]
-        return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-    keys: list[Any] = []
-    nkeys, nargs = len(group[0].keys), len(group[0].args)
-    if all(len(c.keys) == nkeys and len(c.args) == nargs for c in group):
-        args: list[Any] = [-len(group), nkeys, nargs]
-        for call in group:
-            keys += call.keys
-            args += call.args
-    else:
-        args = [len(group)]
-        for call in group:
-            keys += call.keys
-            args += (len(call.keys), len(call.args), *call.args)
-    return ("EVALSHA", multi(group[0].script).sha, len(keys), *keys, *args)
-
-
-def group_replies(group: Sequence[Call], reply: Any) -> list[Any]:
-    """Each call's reply from its group's one reply: a lone call's own; a multi's, one
-    per call; an error reply (the whole EVALSHA refused) every call's."""
-    if len(group) == 1:
-        return [reply]
-    if isinstance(reply, BaseException):
-        return [reply] * len(group)
-    return list(reply)
-
 
 _Started = tuple[dict[str, list["Call"]], int, Any]
 """A batch being sent: its calls grouped by script, the SCRIPT LOADs ahead of its

@@ -46,10 +46,11 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
-from dataplane.batching import RedisPyPipe, ScriptBatcher, split_flags
+from dataplane.batching import RedisPyPipe, ScriptBatcher
 from dataplane.cluster import cluster_client
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
+from dataplane.multi import split_flags
 from dataplane.node_lanes import NodeLanes
 from dataplane.packing import PackedConnection
 from dataplane.replicated import ReplicatedRunner

@@ -13,9 +13,12 @@ Script calls made in the same turn of the event loop are grouped by the node
 serving their slot and sent to each node in one round trip, closed by one
 ``WAIT 1``: WAIT answers for every write made before it on its connection, so
 one replica acknowledgement covers the whole batch, and no call's reply is
-given before it came (``tests/test_cluster.py`` counts the round trips). As on
-one Redis (``dataplane.batching``), calls in one batch are independent: a
-producer waits for a call's reply before it makes the next on that session.
+given before it came (``tests/test_cluster.py`` counts the round trips). A
+script's calls in a node's batch go as one EVALSHA, of its cross-slot form when
+they are of several slots (``dataplane.multi``): the node runs, fsyncs and
+replicates them together, not once per slot. As on one Redis
+(``dataplane.batching``), calls in one batch are independent: a producer waits
+for a call's reply before it makes the next on that session.
 
 A lease renewal is the exception (``ReplicatedRunner.no_wait``): it is answered
 once its primary ran it, without ``WAIT``. Lost with its primary, a renewal only
@@ -36,7 +39,9 @@ demoted primary) or a missing replica acknowledgement is retried, after the slot
 map is learnt again, with backoff for up to ``dataplane.cluster.RETRY_S``: the
 same call is sent again (on its own, out of its batch), and a script that had
 landed recognises the repeat (``dataplane.scripts``), so a caller never sees an
-error for a write that may have landed while a retry could still tell.
+error for a write that may have landed while a retry could still tell. So is a
+cross-slot call that found a key of its own served elsewhere now (``NotLocalError``:
+its slot moved or is migrating); it wrote nothing (``tests/test_cross_slot.py``).
 
 On a plain-TCP cluster the batches go over lanes (``dataplane.lane``: replies
 parsed by hiredis) instead of redis-py's cluster connections, whose reply
@@ -60,19 +65,19 @@ from typing import Any
 
 from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
 
-from dataplane.batching import (
-    MAX_BATCH,
-    Call,
-    Multi,
-    group_command,
-    group_replies,
-    multi_of,
-    settle,
-)
+from dataplane.batching import MAX_BATCH, Call, settle
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, slot_of
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.metrics import UNREPLICATED_WRITES
+from dataplane.multi import (
+    NOT_LOCAL,
+    Multi,
+    cross_slot_command,
+    group_command,
+    group_replies,
+    multi_of,
+)
 from dataplane.node_lanes import NodeLanes, named_error
 
 REPLICA_CHECK_S = 1.0
@@ -83,12 +88,18 @@ class NotReplicatedError(RuntimeError):
     """The primary has a replica, but it did not acknowledge the writes in time."""
 
 
+class NotLocalError(RuntimeError):
+    """A call of a cross-slot multi (``dataplane.multi``) found a key of its own not
+    served by the node now (its slot moved, or is migrating): it wrote nothing."""
+
+
 RETRIED: tuple[type[BaseException], ...] = (
     *FAILOVER_ERRORS,
     MovedError,
     AskError,
     ReadOnlyError,
     NotReplicatedError,
+    NotLocalError,
 )
 
 
@@ -237,15 +248,21 @@ class ReplicatedRunner:
     async def _once(self, node: Any, calls: list[Call]) -> list[Any]:
         """Send ``calls`` to ``node`` and, where it has a replica and they are not
         ``no_wait`` calls, ``WAIT 1`` after them; each call's reply (an error reply as its
-        exception, not raised). Several calls of one script in one slot go as one call
-        of its multi form, as on one Redis (``dataplane.batching``): a script call's
-        fixed cost in Redis, and the rings its streams' bells get, once per group."""
-        groups: dict[tuple[str, int], list[Call]] = {}
+        exception, not raised). The calls of one script go as one call of its multi form,
+        as on one Redis (``dataplane.batching``), or of its cross-slot form when they are
+        of several slots (``dataplane.multi``): Redis then runs the batch's calls of a
+        script together, and fsyncs them and sends them to the replica together."""
+        groups: dict[str, list[Call]] = {}
         for call in calls:
-            slot = slot_of(call.keys[0]) if call.keys else -1
-            groups.setdefault((call.script.sha, slot), []).append(call)
-        loads = self._multi_loads(node, groups.values())
-        commands = [*loads, *(group_command(g, self._multi) for g in groups.values())]
+            groups.setdefault(call.script.sha, []).append(call)
+        forms = [self._form(group) for group in groups.values()]
+        loads = self._multi_loads(node, forms)
+        commands: list[tuple[Any, ...]] = list(loads)
+        for group, form in zip(groups.values(), forms, strict=True):
+            if form is not None and form[1]:
+                commands.append(cross_slot_command(group, form[0]))
+            else:
+                commands.append(group_command(group, self._multi))
         acknowledged = calls[0].script.sha not in self.unacknowledged  # one kind a batch
         replicas = await self._replica_count(node) if acknowledged else 0
         if replicas:
@@ -258,28 +275,37 @@ class ReplicatedRunner:
             raise NotReplicatedError(f"no replica of {node.name} acknowledged in time")
         each: dict[int, Any] = {}
         own = replies[len(loads) : len(loads) + len(groups)]
-        for group, reply in zip(groups.values(), own, strict=True):
-            if len(group) > 1 and isinstance(reply, NoScriptError):
+        for group, form, reply in zip(groups.values(), forms, own, strict=True):
+            if form is not None and isinstance(reply, NoScriptError):
                 # The node lost its scripts (a restart): the multi is loaded again next
                 # time; the calls go again one by one, their own script loaded.
-                self._loaded.discard((node.name, self._multi(group[0].script).sha))
+                self._loaded.discard((node.name, form[0].sha))
             for call, one in zip(group, group_replies(group, reply), strict=True):
-                each[id(call)] = one
+                each[id(call)] = not_local(one)
         return [each[id(call)] for call in calls]
 
     def _multi(self, script: Any) -> Multi:
         return multi_of(self._multis, script)
 
-    def _multi_loads(self, node: Any, groups: Iterable[list[Call]]) -> list[tuple[Any, ...]]:
-        """SCRIPT LOAD of each multi form ``groups`` use that ``node`` was not sent yet,
+    def _form(self, group: list[Call]) -> tuple[Multi, bool] | None:
+        """The multi form ``group`` goes as, and whether it is the cross-slot one (its
+        calls are of several slots); None for a lone call (the script itself)."""
+        if len(group) == 1:
+            return None
+        slot = slot_of(group[0].keys[0])
+        cross = any(slot_of(call.keys[0]) != slot for call in group)
+        return multi_of(self._multis, group[0].script, cross_slot=cross), cross
+
+    def _multi_loads(
+        self, node: Any, forms: Iterable[tuple[Multi, bool] | None]
+    ) -> list[tuple[Any, ...]]:
+        """SCRIPT LOAD of each multi form in ``forms`` that ``node`` was not sent yet,
         to go ahead of them in the same round trip."""
         loads: list[tuple[Any, ...]] = []
-        for group in groups:
-            if len(group) > 1:
-                multi = self._multi(group[0].script)
-                if (node.name, multi.sha) not in self._loaded:
-                    self._loaded.add((node.name, multi.sha))
-                    loads.append(("SCRIPT", "LOAD", multi.script))
+        for form in forms:
+            if form is not None and (node.name, form[0].sha) not in self._loaded:
+                self._loaded.add((node.name, form[0].sha))
+                loads.append(("SCRIPT", "LOAD", form[0].script))
         return loads
 
     async def _send(
@@ -359,3 +385,11 @@ class ReplicatedRunner:
                 count = int(line.split(":", 1)[1])
         self._replicas[node.name] = (now, count)
         return count
+
+
+def not_local(reply: Any) -> Any:
+    """A call's reply, with Redis's error for a cross-slot call that found a key of its
+    own served elsewhere now (it wrote nothing) as ``NotLocalError``: sent again alone."""
+    if isinstance(reply, ResponseError) and NOT_LOCAL in str(reply):
+        return NotLocalError(str(reply))
+    return reply

@@ -56,6 +56,17 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         cluster.stop()
 
 
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A cluster of the test's own (three primaries, no replicas), whose slots it moves."""
+    cluster = RedisCluster(tmp_path, replicas=0)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(params=["redis", "cluster"])
 def redis_url(request: pytest.FixtureRequest) -> str:
     """The URL of a real single Redis, then of a real Redis Cluster: tests taking it run

@@ -139,3 +139,50 @@ class RedisCluster:
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.stop()
+
+
+class SlotMove:
+    """A slot moved from ``source`` to ``target`` step by step, as a reshard does:
+    ``begin`` marks it migrating (and importing), ``migrate`` moves some of its keys,
+    ``finish`` moves the rest and gives the slot to ``target`` on every node. Between
+    ``migrate`` and ``finish`` a call naming keys of the slot finds them split."""
+
+    def __init__(
+        self, source: RedisServer, target: RedisServer, nodes: list[RedisServer], slot: int
+    ) -> None:
+        self.source, self.target, self.nodes, self.slot = source, target, nodes, slot
+
+    @staticmethod
+    def node_id(node: RedisServer) -> str:
+        with redis.Redis(port=node.port) as client:
+            return str(client.execute_command("CLUSTER", "MYID").decode())
+
+    def begin(self) -> SlotMove:
+        source_id, target_id = self.node_id(self.source), self.node_id(self.target)
+        with redis.Redis(port=self.target.port) as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", source_id)
+        with redis.Redis(port=self.source.port) as src:
+            src.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", target_id)
+        return self
+
+    def migrate(self, *keys: str) -> None:
+        with redis.Redis(port=self.source.port) as src:
+            src.execute_command(
+                "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
+            )
+
+    def finish(self) -> None:
+        with redis.Redis(port=self.source.port) as src:
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 100):
+                self.migrate(*(key.decode() for key in keys))
+        target_id = self.node_id(self.target)
+        for node in [self.target, self.source, *self.nodes]:
+            with redis.Redis(port=node.port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+
+
+def move_slot(
+    source: RedisServer, target: RedisServer, nodes: list[RedisServer], slot: int
+) -> None:
+    """Move ``slot`` and its keys from ``source`` to ``target``, as a reshard does."""
+    SlotMove(source, target, nodes, slot).begin().finish()

@@ -14,12 +14,10 @@ import asyncio
 import itertools
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import msgspec
-import pytest
 import redis
 
 from dataplane.authority import SessionAuthority
@@ -30,8 +28,7 @@ from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import Keys, partition_of, worker_bell
 from tests.bell_tap import BellTap
-from tests.redis_cluster import RedisCluster
-from tests.redis_server import RedisServer
+from tests.redis_cluster import move_slot
 from workers.ownership import StageOwnership
 
 PIPELINE = echo_pipeline("echo")
@@ -115,33 +112,6 @@ async def test_a_reader_hears_rings_again_after_its_connections_are_killed(
             await heard.until(("s1", "d"), gaps=1)
     finally:
         await bus.aclose()
-
-
-@pytest.fixture
-def own_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
-    """A cluster of this test's own (three primaries, no replicas): its slots are moved."""
-    cluster = RedisCluster(tmp_path, replicas=0)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-def move_slot(
-    source: RedisServer, target: RedisServer, nodes: list[RedisServer], slot: int
-) -> None:
-    """Move ``slot`` and its keys from ``source`` to ``target``, as a reshard does."""
-    with redis.Redis(port=source.port) as src, redis.Redis(port=target.port) as dst:
-        source_id = src.execute_command("CLUSTER", "MYID").decode()
-        target_id = dst.execute_command("CLUSTER", "MYID").decode()
-        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-        for node in [target, source, *nodes]:
-            with redis.Redis(port=node.port) as client:
-                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
 async def test_a_reader_follows_its_bell_to_the_primary_its_slot_moved_to(own_cluster):

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 
 from coordinator.attachments import Attachments
 from dataplane.authority import SessionAuthority
-from dataplane.batching import multi_script
 from dataplane.bus import RedisBus
+from dataplane.multi import multi_script
 from dataplane.scripts import ALLOW_OOM
 from schemas.config import Settings, echo_pipeline
 from schemas.errors import ErrorCode, RedisFullError
