@@ -30,10 +30,12 @@ already on the new node) is redirected before the script runs. An undeclared key
 would fail only when the script touches it, perhaps after the call has written
 something. So a cross-slot call first probes its own keys with one ``EXISTS``
 (one slot: one call's keys share a hash tag). Redis routes that probe like any
-command: it fails unless every key of the call is served here now. A call that
-fails the probe has written nothing; its reply is Redis's "non local key" error,
-and the caller sends it again on its own with declared keys, which follows the
-redirection (``dataplane.replicated``, ``tests/test_cross_slot.py``).
+command: it fails unless every key of the call is served here now and the cluster is
+up. A call that fails the probe has written nothing; its reply is Redis's "non local
+key" or "cluster is down" error, and the caller sends it again on its own with
+declared keys, which follows the redirection or waits out the failover
+(``dataplane.replicated``, ``tests/test_cross_slot.py``). The cluster's state cannot
+change while a script runs, so a call whose probe passed meets neither error later.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ CROSS_SLOT_FLAG = "allow-cross-slot-keys"
 
 NOT_LOCAL = "non local key"
 """In Redis's error for a script touching a key this node does not serve now."""
+
+DOWN = "cluster is down"
+"""In Redis's error for a script touching a key while the cluster is down (a slot has no
+live primary). A command with declared keys is refused then before it runs
+(``CLUSTERDOWN``); a cross-slot call, declaring none, is refused at its probe."""
 
 _MULTI_LOOP = """
 HEAD()

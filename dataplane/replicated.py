@@ -41,7 +41,8 @@ same call is sent again (on its own, out of its batch), and a script that had
 landed recognises the repeat (``dataplane.scripts``), so a caller never sees an
 error for a write that may have landed while a retry could still tell. So is a
 cross-slot call that found a key of its own served elsewhere now (``NotLocalError``:
-its slot moved or is migrating); it wrote nothing (``tests/test_cross_slot.py``).
+its slot moved or is migrating) or the cluster down (``ClusterDownError``); it wrote
+nothing (``tests/test_cross_slot.py``).
 
 On a plain-TCP cluster the batches go over lanes (``dataplane.lane``: replies
 parsed by hiredis) instead of redis-py's cluster connections, whose reply
@@ -63,7 +64,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+)
 
 from dataplane.batching import MAX_BATCH, Call, settle
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, slot_of
@@ -71,6 +79,7 @@ from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.metrics import UNREPLICATED_WRITES
 from dataplane.multi import (
+    DOWN,
     NOT_LOCAL,
     Multi,
     cross_slot_command,
@@ -281,7 +290,7 @@ class ReplicatedRunner:
                 # time; the calls go again one by one, their own script loaded.
                 self._loaded.discard((node.name, form[0].sha))
             for call, one in zip(group, group_replies(group, reply), strict=True):
-                each[id(call)] = not_local(one)
+                each[id(call)] = refused_in_script(one)
         return [each[id(call)] for call in calls]
 
     def _multi(self, script: Any) -> Multi:
@@ -387,9 +396,17 @@ class ReplicatedRunner:
         return count
 
 
-def not_local(reply: Any) -> Any:
-    """A call's reply, with Redis's error for a cross-slot call that found a key of its
-    own served elsewhere now (it wrote nothing) as ``NotLocalError``: sent again alone."""
-    if isinstance(reply, ResponseError) and NOT_LOCAL in str(reply):
-        return NotLocalError(str(reply))
+def refused_in_script(reply: Any) -> Any:
+    """A call's reply, with Redis's refusals of a cross-slot call's probe
+    (``dataplane.multi``) as the retried errors they stand for. The probe comes before
+    anything the call writes, so a refused call wrote nothing and is sent again alone:
+    a key of its own served elsewhere now (its slot moved or is migrating) is
+    ``NotLocalError``; the cluster down (a primary failed and its replica not yet
+    promoted) is ``ClusterDownError``, as Redis answers a command with declared keys
+    then (``tests/test_cross_slot.py``)."""
+    if isinstance(reply, ResponseError):
+        if NOT_LOCAL in str(reply):
+            return NotLocalError(str(reply))
+        if DOWN in str(reply):
+            return ClusterDownError(str(reply))  # type: ignore[no-untyped-call]
     return reply

@@ -294,11 +294,14 @@ async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_pat
                         acked[sid].append(text)
                         await asyncio.sleep(0.01)
 
-                clients = [asyncio.create_task(client(sid)) for sid in sessions]
-                await asyncio.sleep(0.3)
-                victim.stop(signal.SIGKILL)
-                killed_at = time.monotonic()
-                await asyncio.gather(*clients)
+                # A task group: one client failing stops the others before the
+                # coordinator closes, so none outlives this test into the next.
+                async with asyncio.TaskGroup() as clients:
+                    for sid in sessions:
+                        clients.create_task(client(sid))
+                    await asyncio.sleep(0.3)
+                    victim.stop(signal.SIGKILL)
+                    killed_at = time.monotonic()
                 got: dict[str, list[str]] = {sid: [] for sid in sessions}
                 async with asyncio.timeout(60):
                     while any(len(got[s]) < len(acked[s]) for s in sessions):

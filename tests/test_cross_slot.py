@@ -92,6 +92,56 @@ async def test_a_call_finding_its_keys_split_by_a_reshard_writes_nothing_until_i
         await bus.aclose()
 
 
+def cluster_state(node: RedisServer) -> str:
+    with redis.Redis(port=node.port) as client:
+        return str(client.execute_command("CLUSTER", "INFO").decode()).split()[0]
+
+
+def another_slot_of(node: RedisServer, *taken: int) -> int:
+    """A slot ``node`` serves, not one of ``taken``."""
+    with redis.Redis(port=node.port) as client:
+        for first, last, owner, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            if int(owner[1]) == node.port:
+                return next(s for s in range(first, last + 1) if s not in taken)
+    raise LookupError("the node serves no slot")
+
+
+async def test_calls_refused_while_the_cluster_is_down_wait_for_it_and_land_once(
+    own_cluster,
+):
+    """While a slot has no primary the cluster is down, and Redis refuses a cross-slot
+    call at its probe ("cluster is down": a command with declared keys is refused with
+    ``CLUSTERDOWN`` before it runs). The calls wrote nothing and wait, sent again alone,
+    until the cluster is up, as through a failover; each then lands once. A slot taken
+    from its primary (``CLUSTER DELSLOTS``) makes that primary see the cluster down."""
+    bus = RedisBus(own_cluster.url, Keys("down"))
+    try:
+        both = bus.register(INCR_BOTH)
+        tags = {f"t{i}": f"{{t{i}}}a" for i in range(200)}
+        one, other, primary = two_slots_of_one_primary(own_cluster, tags)
+        key_sets = [[f"{{{tag}}}{k}" for k in "ab"] for tag in (one, other)]
+        assert await asyncio.gather(*(bus.run(both, keys, []) for keys in key_sets)) == [
+            [1],
+            [1],
+        ]
+        lost = another_slot_of(primary, *(slot_of(own_cluster, k[0]) for k in key_sets))
+        with redis.Redis(port=primary.port) as client:
+            client.execute_command("CLUSTER", "DELSLOTS", lost)
+        assert cluster_state(primary) == "cluster_state:fail"
+        probes = exists_calls(primary)
+        calls = [asyncio.ensure_future(bus.run(both, keys, [])) for keys in key_sets]
+        await asyncio.sleep(0.5)
+        assert exists_calls(primary) >= probes + 2  # both went in the cross-slot form
+        assert not any(call.done() for call in calls)  # waiting, not failed
+        with redis.Redis(port=primary.port) as client:
+            client.execute_command("CLUSTER", "ADDSLOTS", lost)
+        assert await asyncio.wait_for(asyncio.gather(*calls), 30) == [[2], [2]]
+        with redis.Redis(port=primary.port) as client:  # nothing written while down
+            assert [client.get(key) for keys in key_sets for key in keys] == [b"2"] * 4
+    finally:
+        await bus.aclose()
+
+
 async def test_appends_to_sessions_of_one_primary_land_once_through_a_reshard(own_cluster):
     """The product's own appends, two sessions of two slots of one primary appended
     together (one cross-slot call), one session's slot migrating with its input log
