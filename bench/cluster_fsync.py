@@ -1,10 +1,11 @@
 """What fsync costs a cluster against one Redis: side-by-side pairs under three policies.
 
-``python -m bench.cluster_fsync [--pairs 3] [--seconds 8]``: section 10's saturated
-point (one echo worker, the full plan's 64 sessions and window of 512), on a private
-Redis and on a private cluster of 3 primaries with a replica each, alternating, one
-Redis first in each pair; CPU per event over every process, and the cluster's ratios
-to one Redis. Three fsync policies, each set with ``CONFIG SET`` once the servers run:
+``python -m bench.cluster_fsync [--pairs 3] [--seconds 8] [--policy shipped]``:
+section 10's saturated point (one echo worker, the full plan's 64 sessions and window
+of 512), on a private Redis and on a private cluster of 3 primaries with a replica
+each, alternating, one Redis first in each pair; CPU per event over every process,
+and the cluster's ratios to one Redis. Three fsync policies (``--policy``: some of
+them), each set with ``CONFIG SET`` once the servers run:
 
 - ``shipped``: ``appendfsync always`` on every server (``REDIS_PERSISTENCE``);
 - ``replicas everysec``: the cluster's replicas fsync once a second, its primaries and
@@ -78,9 +79,9 @@ async def pair(policy: str, plan: Any, at: int) -> tuple[float, float]:
     return cpu, events
 
 
-async def run(pairs: int, seconds: float) -> None:
+async def run(pairs: int, seconds: float, policies: list[str]) -> None:
     plan = dataclasses.replace(FULL, throughput_seconds=seconds)
-    for policy in POLICIES:
+    for policy in policies:
         print(f"{policy}:", flush=True)
         ratios = [await pair(policy, plan, at) for at in range(pairs)]
         print(f"  median: CPU per event {statistics.median(r[0] for r in ratios):.2f}x, "
@@ -91,8 +92,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--policy", action="append", choices=list(POLICIES), help="only these (repeatable)"
+    )
     args = parser.parse_args()
-    asyncio.run(run(args.pairs, args.seconds))
+    asyncio.run(run(args.pairs, args.seconds, args.policy or list(POLICIES)))
 
 
 if __name__ == "__main__":
