@@ -52,6 +52,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from dataplane.bus import CLUSTER_SCHEMES
 from dataplane.cluster import seed_nodes
+from dataplane.cluster_nodes import Member, parse_cluster_nodes
 from dataplane.config import RedisUnreachable, ensure_redis, redacted
 from dataplane.metrics import REDIS_CONFIG_FINDINGS
 from schemas.config import ConfigError, Settings
@@ -104,35 +105,6 @@ class NodeReport:
     """Why the node did not answer at all; empty when it did."""
 
 
-DOWN_FLAGS = frozenset({"fail", "fail?", "noaddr", "handshake"})
-"""``CLUSTER NODES`` flags of a node that is down, or not yet (or no longer) reachable."""
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One line of ``CLUSTER NODES``."""
-
-    id: str
-    host: str
-    port: int
-    flags: frozenset[str]
-    primary_id: str
-    """The node id of its primary (a replica); ``-`` for a primary."""
-    serves_slots: bool
-
-    @property
-    def name(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    @property
-    def is_primary(self) -> bool:
-        return "master" in self.flags
-
-    @property
-    def down(self) -> bool:
-        return bool(self.flags & DOWN_FLAGS)
-
-
 @dataclass(frozen=True, slots=True)
 class Observed:
     """What the data plane's Redis said about itself."""
@@ -143,32 +115,6 @@ class Observed:
     """The cluster's nodes as ``CLUSTER NODES`` lists them (empty for one Redis)."""
     members_error: str = ""
     """Why ``CLUSTER NODES`` could not be read, on a cluster."""
-
-
-def parse_cluster_nodes(text: str, seed_host: str = "") -> tuple[Member, ...]:
-    """The members in a ``CLUSTER NODES`` reply. A node's address is
-    ``ip:port@cport[,hostname[,aux=value...]]``; an announced hostname is what clients are
-    meant to use, so it wins over the ip. A node that does not know its own ip yet
-    (``:port``) is the one asked: ``seed_host``."""
-    members: list[Member] = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 8:
-            continue
-        address, *extras = parts[1].split(",")
-        hostname = extras[0] if extras and "=" not in extras[0] else ""
-        ip, _, port = address.split("@", 1)[0].rpartition(":")
-        members.append(
-            Member(
-                id=parts[0],
-                host=hostname or ip or seed_host,
-                port=int(port) if port.isdigit() else 0,
-                flags=frozenset(parts[2].split(",")),
-                primary_id=parts[3],
-                serves_slots=len(parts) > 8,
-            )
-        )
-    return tuple(members)
 
 
 def online_replicas(replication: Mapping[str, Any]) -> int:

@@ -88,9 +88,7 @@ from dataplane.multi import (
     multi_of,
 )
 from dataplane.node_lanes import NodeLanes, named_error
-
-REPLICA_CHECK_S = 1.0
-"""How long a primary's replica count is trusted before it is asked again."""
+from dataplane.replica_count import ReplicaCounts
 
 
 class NotReplicatedError(RuntimeError):
@@ -134,8 +132,7 @@ class ReplicatedRunner:
         self._free_lanes: dict[str, list[Lane]] = {}
         """Node name -> its lanes with no batch in flight."""
         self._all_lanes: list[Lane] = []
-        self._replicas: dict[str, tuple[float, int]] = {}
-        """Node name -> (when asked, connected replicas)."""
+        self._replicas = ReplicaCounts(self._send)
         self._pending: list[Call] = []
         """Calls made in this turn of the event loop, sent at its end."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -273,14 +270,14 @@ class ReplicatedRunner:
             else:
                 commands.append(group_command(group, self._multi))
         acknowledged = calls[0].script.sha not in self.unacknowledged  # one kind a batch
-        replicas = await self._replica_count(node) if acknowledged else 0
+        replicas = await self._replicas.of(node) if acknowledged else 0
         if replicas:
             commands.append(("WAIT", 1, self.wait_ms))
         replies = await self._send(node, commands, raise_on_error=False, waits=bool(replicas))
         if acknowledged and not replicas:
             UNREPLICATED_WRITES.inc(len(calls))
         elif replicas and (isinstance(replies[-1], BaseException) or int(replies[-1]) < 1):
-            self._replicas.pop(node.name, None)  # ask again next time
+            self._replicas.forget(node)  # ask again next time
             raise NotReplicatedError(f"no replica of {node.name} acknowledged in time")
         each: dict[int, Any] = {}
         own = replies[len(loads) : len(loads) + len(groups)]
@@ -380,20 +377,6 @@ class ReplicatedRunner:
         lanes, self._all_lanes, self._free_lanes = self._all_lanes, [], {}
         for lane in lanes:
             await lane.aclose()
-
-    async def _replica_count(self, node: Any) -> int:
-        now = time.monotonic()
-        known = self._replicas.get(node.name)
-        if known is not None and now - known[0] < REPLICA_CHECK_S:
-            return known[1]
-        info = await self._send(node, [("INFO", "replication")])
-        text = info[0].decode() if isinstance(info[0], bytes) else str(info[0])
-        count = 0
-        for line in text.splitlines():
-            if line.startswith("connected_slaves:"):
-                count = int(line.split(":", 1)[1])
-        self._replicas[node.name] = (now, count)
-        return count
 
 
 def refused_in_script(reply: Any) -> Any:

@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -25,14 +26,16 @@ NODE_TIMEOUT_MS = 1000
 class RedisCluster:
     """Six nodes (three with ``replicas=0``); ``url`` is the duplexq URL
     (``redis+cluster://``) naming the three created as primaries, as a deployment names
-    several seed nodes."""
+    several seed nodes. ``extra``: more redis-server options for every node (an ACL
+    user's)."""
 
-    def __init__(self, workdir: Path, *, replicas: int = 1) -> None:
+    def __init__(self, workdir: Path, *, replicas: int = 1, extra: Sequence[str] = ()) -> None:
         options = [
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
             "--repl-diskless-sync-delay", "0",
+            *extra,
         ]  # fmt: skip
         self.replicas = replicas
         """Replicas per primary (0: a cluster whose primaries have none)."""

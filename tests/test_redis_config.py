@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from dataplane.cluster_nodes import live_replicas
 from dataplane.redis_config import (
     Finding,
     Member,
@@ -166,6 +167,20 @@ def test_parse_cluster_nodes():
     assert [m.serves_slots for m in members] == [True] * 3 + [False] * 4
     assert members[3].primary_id == "a1"
     assert Member("x", "::1", 7000, frozenset(), "-", False).name == "[::1]:7000"
+
+
+def test_live_replicas_are_those_of_the_node_asked_that_it_sees_up():
+    """What a script batch's replica count comes from when INFO is refused
+    (``dataplane.replica_count``)."""
+    assert live_replicas(NODES) == 1  # a1 (myself) has b1
+    assert (
+        live_replicas(
+            NODES.replace("b1 10.0.0.4:7000@17000 slave", "b1 10.0.0.4:7000@17000 slave,fail?")
+        )
+        == 0
+    )
+    assert live_replicas(NODES.replace("slave a2", "slave a1")) == 2
+    assert live_replicas(NODES.replace("myself,", "")) == 0  # not a node's own view
 
 
 def test_online_replicas():

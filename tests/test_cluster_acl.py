@@ -1,0 +1,72 @@
+"""A Redis Cluster reached as an ACL user with the rights ``docs/deploy.md`` names.
+
+Managed Redis services and careful operators give an application a user of its own:
+its key prefix's keys and channels, and every command but the dangerous ones
+(``-@dangerous``: no ``INFO``, ``CONFIG``, ``ROLE``...). Every connection the data
+plane makes to a cluster's nodes carries that user: the cluster client's, the lanes
+of reads and of script batches, the bells' subscriptions (shard channels, ``&``
+patterns), and the replica count a batch's ``WAIT`` depends on must be learnt
+without ``INFO``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from coordinator.service import Coordinator
+from schemas.config import echo_pipeline
+from schemas.events import TextPayload
+from tests.pipeline_helpers import fast_settings, outputs_of, running_worker
+from tests.redis_cluster import RedisCluster
+
+USER = ["--user", "duplexq", "on", ">s3cret", "~acl:*", "&acl:*", "+@all", "-@dangerous"]
+"""The application's user: its prefix's keys and channels, no dangerous command. The
+default user stays for the test's own set-up (creating the cluster, replication)."""
+
+
+async def test_an_acl_user_without_dangerous_commands_is_served_on_a_cluster(tmp_path):
+    """Sessions on every primary are opened, appended to and answered as that user."""
+    cluster = RedisCluster(tmp_path / "cluster", extra=USER)
+    cluster.start()
+    try:
+        node = cluster.live()
+        with redis.Redis(port=node.port, username="duplexq", password="s3cret") as client:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.info("replication")  # the user is as restricted as it says
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.set("other:key", 1)
+        url = cluster.url.replace("://", "://duplexq:s3cret@", 1)
+        settings = fast_settings(url, "acl")
+        pipeline = echo_pipeline("echo")
+        coordinator = Coordinator(settings, pipeline)
+        keys = coordinator.bus.keys
+        sessions = [f"s{i}" for i in range(12)]
+        primaries = {cluster.primary_of(keys.session(sid).meta).port for sid in sessions}
+        assert len(primaries) == 3
+        try:
+            async with running_worker(settings, pipeline, "echo"):
+                for sid in sessions:
+                    await coordinator.open(sid)
+                await asyncio.gather(*(
+                    coordinator.append(sid, "append_text", TextPayload(f"hi {sid}"))
+                    for sid in sessions
+                ))  # fmt: skip
+                got: set[str] = set()
+                async with asyncio.timeout(30):
+                    while len(got) < len(sessions):
+                        for out in outputs_of(await coordinator.outputs(block_ms=200)):
+                            assert out.text == f"hi {out.fence.session_id}"
+                            got.add(out.fence.session_id)
+        finally:
+            await coordinator.aclose()
+        # Counted without INFO, each primary's replica made its batches wait for it.
+        waits = 0
+        for port in primaries:
+            with redis.Redis(port=port) as client:
+                waits += int(client.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+        assert waits >= 3
+    finally:
+        cluster.stop()
