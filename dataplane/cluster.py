@@ -188,6 +188,10 @@ class _StableNodes(NodesManager):
         await super().aclose(attr)
 
 
+class ClientClosedError(RuntimeError):
+    """A command, or a refresh of the slot map, on a cluster client already closed."""
+
+
 class ClusterClient(RedisCluster):
     """redis-py's asyncio cluster client with the failover behaviour described above."""
 
@@ -197,8 +201,20 @@ class ClusterClient(RedisCluster):
         self._refreshing = asyncio.Lock()
         self._refreshed_at = 0.0
         """When the last successful refresh started."""
+        self._closed = False
+        """Closed for good (``aclose`` outside a command). redis-py would connect
+        afresh for a command, or a refresh, made after that, and the sockets it opened
+        then were left for the garbage collector (``tests/test_cluster.py``)."""
+
+    async def initialize(self) -> ClusterClient:
+        if self._closed:
+            raise ClientClosedError("the Redis Cluster client is closed")
+        await super().initialize()
+        return self
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ClientClosedError("the Redis Cluster client is closed")
         deadline = time.monotonic() + RETRY_S
         delay = 0.02
         token = _in_command.set(True)
@@ -238,6 +254,8 @@ class ClusterClient(RedisCluster):
         connections to nodes that still serve stay open. Errors are left to the next
         command."""
         asked = time.monotonic()
+        if self._closed:
+            return
         async with self._refreshing:
             if self._refreshed_at >= asked:  # a refresh began after we asked: use it
                 return
@@ -273,7 +291,7 @@ class ClusterClient(RedisCluster):
         # redis-py closes only a client it holds initialised, but one whose last slot-map
         # refresh failed (or whose command's error asked for one) still holds the
         # connections of every node it knew: close them all, whatever the flag says.
-        self._initialize = True
+        self._closed = self._initialize = True
         await self.nodes_manager.aclose()
         await self.nodes_manager.aclose("startup_nodes")
 

@@ -74,7 +74,7 @@ from redis.exceptions import (
 )
 
 from dataplane.batching import MAX_BATCH, Call, settle
-from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, slot_of
+from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, ClientClosedError, slot_of
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.metrics import UNREPLICATED_WRITES
@@ -136,6 +136,7 @@ class ReplicatedRunner:
         self._pending: list[Call] = []
         """Calls made in this turn of the event loop, sent at its end."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.unacknowledged: set[str] = set()
         """Shas of the scripts whose replies do not wait for a replica (``no_wait``)."""
 
@@ -151,6 +152,8 @@ class ReplicatedRunner:
 
     async def run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run ``script``; its reply comes once a replica has the writes of its batch."""
+        if self._closed:
+            raise ClientClosedError("the Redis Cluster client is closed")
         loop = asyncio.get_running_loop()
         call = Call(script, keys, args, loop.create_future())
         if not self._pending:
@@ -165,6 +168,10 @@ class ReplicatedRunner:
 
     def _flush(self) -> None:
         calls, self._pending = self._pending, []
+        if self._closed:  # closed in the turn these calls were made
+            for call in calls:
+                settle(call, ClientClosedError("the Redis Cluster client is closed"))
+            return
         task = asyncio.create_task(self._send_all(calls))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -374,6 +381,14 @@ class ReplicatedRunner:
         return lane
 
     async def aclose(self) -> None:
+        """Stop the batches in flight (a call retried through a failover would otherwise
+        go on learning the slot map, and open connections, after the client closed:
+        their callers get the cancellation) and close the lanes."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         lanes, self._all_lanes, self._free_lanes = self._all_lanes, [], {}
         for lane in lanes:
             await lane.aclose()

@@ -12,6 +12,8 @@ without ``INFO``.
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import pytest
 import redis
@@ -68,5 +70,38 @@ async def test_an_acl_user_without_dangerous_commands_is_served_on_a_cluster(tmp
             with redis.Redis(port=port) as client:
                 waits += int(client.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
         assert waits >= 3
+    finally:
+        cluster.stop()
+
+
+async def test_an_acl_users_writes_go_on_once_a_dead_replica_is_seen_failed(tmp_path):
+    """Counted from ``CLUSTER NODES``, a replica killed with SIGKILL still counts until
+    the cluster flags it failed (its node timeout): a write to its primary meanwhile
+    waits for its ``WAIT`` and is retried, then is acknowledged by the primary alone, as
+    with INFO's count when a replica dies between two checks. No append fails."""
+    cluster = RedisCluster(tmp_path / "cluster", extra=USER)
+    cluster.start()
+    try:
+        url = cluster.url.replace("://", "://duplexq:s3cret@", 1)
+        settings = fast_settings(url, "acl")
+        pipeline = echo_pipeline("echo")
+        coordinator = Coordinator(settings, pipeline)
+        primary = cluster.primary_of(coordinator.bus.keys.session("s0").meta)
+        try:
+            async with running_worker(settings, pipeline, "echo"):
+                await coordinator.open("s0")
+                await coordinator.append("s0", "append_text", TextPayload("before"))
+                cluster.replica_of(primary).stop(signal.SIGKILL)
+                began = time.monotonic()
+                await coordinator.append("s0", "append_text", TextPayload("after"))
+                assert time.monotonic() - began < 20
+                texts: list[str] = []
+                async with asyncio.timeout(30):
+                    while texts != ["before", "after"]:
+                        texts += [
+                            o.text for o in outputs_of(await coordinator.outputs(block_ms=200))
+                        ]
+        finally:
+            await coordinator.aclose()
     finally:
         cluster.stop()

@@ -1,0 +1,53 @@
+"""Closing a cluster bus while a call is being retried through a failover.
+
+A call retried through a failover (``dataplane.replicated``) learns the slot map again
+between tries, and redis-py connects to a node for that. Once the bus was closed, the
+retries went on: the client connected afresh, and the sockets it opened then were left
+for the garbage collector (a ``ResourceWarning`` that failed whichever test was running
+when it was collected). Closing now stops the retries and the client refuses to
+connect again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from dataplane.bus import RedisBus
+from dataplane.cluster import ClientClosedError
+from schemas.keys import Keys
+from tests.redis_cluster import RedisCluster
+from tests.test_cross_slot import another_slot_of, cluster_state, slot_of
+
+
+def clients_of(cluster: RedisCluster) -> int:
+    """Connections to the cluster's nodes, the ones asking left out."""
+    count = 0
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as client:
+            me = client.client_id()
+            count += sum(1 for c in client.client_list() if int(c["id"]) != me)
+    return count
+
+
+async def test_closing_the_bus_stops_a_call_retried_through_a_failover(own_cluster):
+    bus = RedisBus(own_cluster.url, Keys("closing"))
+    incr = bus.register("return redis.call('INCR', KEYS[1])")
+    assert await bus.run(incr, ["{a}k"], []) == [1]
+    primary = own_cluster.primary_of("{a}k")
+    lost = another_slot_of(primary, slot_of(own_cluster, "{a}k"))
+    with redis.Redis(port=primary.port) as client:
+        client.execute_command("CLUSTER", "DELSLOTS", lost)  # the cluster is down there
+    assert cluster_state(primary) == "cluster_state:fail"
+    call = asyncio.ensure_future(bus.run(incr, ["{a}k"], []))
+    await asyncio.sleep(0.5)
+    assert not call.done()  # retried, waiting for the cluster
+    await bus.aclose()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, 5)
+    with pytest.raises(ClientClosedError):
+        await bus.run(incr, ["{a}k"], [])
+    await asyncio.sleep(1.0)  # longer than the retries' backoff
+    assert clients_of(own_cluster) == 0
