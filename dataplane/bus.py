@@ -47,7 +47,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dataplane import scripts
 from dataplane.batching import RedisPyPipe, ScriptBatcher
-from dataplane.cluster import cluster_client
+from dataplane.cluster import ClusterClient, cluster_client
 from dataplane.full import full_error, refused_for_memory
 from dataplane.lane import Lane
 from dataplane.multi import split_flags
@@ -312,7 +312,10 @@ class RedisBus:
             await self._node_lanes.aclose()
         if self._replicated is not None:
             await self._replicated.aclose()
-        await self.client.aclose()
+        if isinstance(self.client, ClusterClient):
+            await self.client.close_for_good()
+        else:
+            await self.client.aclose()
 
     async def ping(self) -> bool:
         """Whether Redis answers within the command timeout: a probe (readiness) must

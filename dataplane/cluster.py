@@ -202,9 +202,9 @@ class ClusterClient(RedisCluster):
         self._refreshed_at = 0.0
         """When the last successful refresh started."""
         self._closed = False
-        """Closed for good (``aclose`` outside a command). redis-py would connect
-        afresh for a command, or a refresh, made after that, and the sockets it opened
-        then were left for the garbage collector (``tests/test_cluster.py``)."""
+        """Closed for good (``close_for_good``). redis-py would connect afresh for a command,
+        or a refresh, made after that, and the sockets it opened then were left for the
+        garbage collector (``tests/test_cluster_close.py``)."""
 
     async def initialize(self) -> ClusterClient:
         if self._closed:
@@ -291,9 +291,17 @@ class ClusterClient(RedisCluster):
         # redis-py closes only a client it holds initialised, but one whose last slot-map
         # refresh failed (or whose command's error asked for one) still holds the
         # connections of every node it knew: close them all, whatever the flag says.
-        self._closed = self._initialize = True
+        self._initialize = True
         await self.nodes_manager.aclose()
         await self.nodes_manager.aclose("startup_nodes")
+
+    async def close_for_good(self) -> None:
+        """Close for good: later commands and refreshes are refused
+        (``ClientClosedError``). ``aclose`` alone is what redis-py's cluster pipeline
+        calls after a connection error, to start again with the next command: the client
+        must serve on after it (``tests/test_cluster_close.py``)."""
+        self._closed = True
+        await self.aclose()
 
 
 async def _answers(host: str, port: int) -> bool:

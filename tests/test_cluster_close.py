@@ -5,7 +5,8 @@ between tries, and redis-py connects to a node for that. Once the bus was closed
 retries went on: the client connected afresh, and the sockets it opened then were left
 for the garbage collector (a ``ResourceWarning`` that failed whichever test was running
 when it was collected). Closing now stops the retries and the client refuses to
-connect again.
+connect again; redis-py's own closing of the client, which asks for a fresh start,
+is not a close for good.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from dataplane.bus import RedisBus
-from dataplane.cluster import ClientClosedError
+from dataplane.cluster import ClientClosedError, ClusterClient
 from schemas.keys import Keys
 from tests.redis_cluster import RedisCluster
 from tests.test_cross_slot import another_slot_of, cluster_state, slot_of
@@ -50,4 +51,26 @@ async def test_closing_the_bus_stops_a_call_retried_through_a_failover(own_clust
     with pytest.raises(ClientClosedError):
         await bus.run(incr, ["{a}k"], [])
     await asyncio.sleep(1.0)  # longer than the retries' backoff
+    assert clients_of(own_cluster) == 0
+
+
+async def test_the_client_serves_on_after_redis_py_closes_it_to_start_again(own_cluster):
+    """redis-py's cluster pipeline answers a connection error by closing the client
+    (``aclose``) so that the next command learns the cluster again; only the bus's own
+    close (``close_for_good``) is for good. A pipeline failing during a partition once left a
+    coordinator refusing every command."""
+    bus = RedisBus(own_cluster.url, Keys("again"))
+    try:
+        client = bus.client
+        assert isinstance(client, ClusterClient)
+        await client.set("{a}k", 1)
+        await client.aclose()  # as ClusterPipeline.execute does after a ConnectionError
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.incr("{a}k")
+            assert await pipe.execute() == [2]
+        assert await client.get("{a}k") == b"2"
+    finally:
+        await bus.aclose()
+    with pytest.raises(ClientClosedError):
+        await client.get("{a}k")
     assert clients_of(own_cluster) == 0
