@@ -34,20 +34,15 @@ from typing import Any
 
 from bench.common import PrivateRedis, private_redis
 from bench.plan import FULL
-from bench.primaries import CLUSTER_OPTIONS, PrivateCluster, private_cluster
+from bench.primaries import PrivateCluster, private_cluster
 from bench.throughput import saturated
-from chaos.cluster import cluster_port
 
 
 class OneNodeCluster(PrivateCluster):
     """A cluster-mode Redis serving all 16384 slots, with a replica or without."""
 
     def __init__(self, workdir: Path, *, replica: bool) -> None:
-        count = 2 if replica else 1
-        self.nodes = [PrivateRedis(workdir / f"node{i}", extra=CLUSTER_OPTIONS)
-                      for i in range(count)]  # fmt: skip
-        for node in self.nodes:
-            node.port = cluster_port()
+        super().__init__(workdir, nodes=2 if replica else 1)
 
     def start(self) -> OneNodeCluster:
         for node in self.nodes:
@@ -56,11 +51,7 @@ class OneNodeCluster(PrivateCluster):
         primary.command(b"CLUSTER", b"ADDSLOTSRANGE", b"0", b"16383")
         if len(self.nodes) > 1:
             self._attach(primary, self.nodes[1])
-        deadline = time.monotonic() + 30
-        while not all(b"cluster_state:ok" in n.command(b"CLUSTER", b"INFO") for n in self.nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the one-node cluster is not ok after 30 s")
-            time.sleep(0.1)
+        self.wait_ok()
         return self
 
     @staticmethod

@@ -36,9 +36,9 @@ CLUSTER_OPTIONS = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.c
 class PrivateCluster:
     """Six private redis-server nodes joined as 3 primaries with a replica each."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, nodes: int = NODES) -> None:
         self.nodes = [PrivateRedis(workdir / f"node{i}", extra=CLUSTER_OPTIONS)
-                      for i in range(NODES)]  # fmt: skip
+                      for i in range(nodes)]  # fmt: skip
         for node in self.nodes:
             node.port = cluster_port()
 
@@ -65,12 +65,16 @@ class PrivateCluster:
              "--cluster-replicas", "1", "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
+        self.wait_ok()
+        return self
+
+    def wait_ok(self) -> None:
+        """Wait until every node says the cluster is ok (30 s at most)."""
         deadline = time.monotonic() + 30
         while not all(b"cluster_state:ok" in n.command(b"CLUSTER", b"INFO") for n in self.nodes):
             if time.monotonic() > deadline:
                 raise RuntimeError("the benchmark's Redis Cluster is not ok after 30 s")
             time.sleep(0.1)
-        return self
 
     def flush(self) -> None:
         for node in self.nodes:  # replicas refuse it (READONLY); primaries pass it on

@@ -189,3 +189,22 @@ def move_slot(
 ) -> None:
     """Move ``slot`` and its keys from ``source`` to ``target``, as a reshard does."""
     SlotMove(source, target, nodes, slot).begin().finish()
+
+
+def slot_of(cluster: RedisCluster, key: str) -> int:
+    with redis.Redis(port=cluster.live().port) as client:
+        return int(client.execute_command("CLUSTER", "KEYSLOT", key))
+
+
+def cluster_state(node: RedisServer) -> str:
+    with redis.Redis(port=node.port) as client:
+        return str(client.execute_command("CLUSTER", "INFO").decode()).split()[0]
+
+
+def another_slot_of(node: RedisServer, *taken: int) -> int:
+    """A slot ``node`` serves, not one of ``taken``."""
+    with redis.Redis(port=node.port) as client:
+        for first, last, owner, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            if int(owner[1]) == node.port:
+                return next(s for s in range(first, last + 1) if s not in taken)
+    raise LookupError("the node serves no slot")

@@ -19,8 +19,7 @@ import redis
 from dataplane.bus import RedisBus
 from dataplane.cluster import ClientClosedError, ClusterClient
 from schemas.keys import Keys
-from tests.redis_cluster import RedisCluster
-from tests.test_cross_slot import another_slot_of, cluster_state, slot_of
+from tests.redis_cluster import RedisCluster, another_slot_of, cluster_state, slot_of
 
 
 def clients_of(cluster: RedisCluster) -> int:

@@ -22,15 +22,10 @@ from dataplane.scripts import ALLOW_OOM
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from schemas.keys import Keys
-from tests.redis_cluster import RedisCluster, SlotMove
+from tests.redis_cluster import RedisCluster, SlotMove, another_slot_of, cluster_state, slot_of
 from tests.redis_server import RedisServer
 
 INCR_BOTH = "redis.call('INCR', KEYS[1]) return redis.call('INCR', KEYS[2])"
-
-
-def slot_of(cluster: RedisCluster, key: str) -> int:
-    with redis.Redis(port=cluster.live().port) as client:
-        return int(client.execute_command("CLUSTER", "KEYSLOT", key))
 
 
 def two_slots_of_one_primary(
@@ -90,20 +85,6 @@ async def test_a_call_finding_its_keys_split_by_a_reshard_writes_nothing_until_i
             assert [new.get(key) for key in moving_keys] == [b"2", b"2"]
     finally:
         await bus.aclose()
-
-
-def cluster_state(node: RedisServer) -> str:
-    with redis.Redis(port=node.port) as client:
-        return str(client.execute_command("CLUSTER", "INFO").decode()).split()[0]
-
-
-def another_slot_of(node: RedisServer, *taken: int) -> int:
-    """A slot ``node`` serves, not one of ``taken``."""
-    with redis.Redis(port=node.port) as client:
-        for first, last, owner, *_ in client.execute_command("CLUSTER", "SLOTS"):
-            if int(owner[1]) == node.port:
-                return next(s for s in range(first, last + 1) if s not in taken)
-    raise LookupError("the node serves no slot")
 
 
 async def test_calls_refused_while_the_cluster_is_down_wait_for_it_and_land_once(
