@@ -13,6 +13,12 @@ holds one connection per primary, subscribed to its bells of every slot that
 primary serves (one ``SSUBSCRIBE`` per slot: a cluster refuses one across
 slots), which Redis writes the rings to as they happen.
 
+On a plain-TCP cluster each connection is a lane (``dataplane.lane``) whose
+messages are parsed by hiredis and handled in the connection's data callback, as
+they arrive: no task wakes and no read is awaited per message. Through redis-py's
+connection (a TLS cluster) each message is one awaited read with its own timeout,
+several times the CPU per ring (``bench/bell_cost.py``).
+
 A ring is a hint, as on one Redis (``dataplane.bells``), and a channel keeps
 nothing for a reader that was not subscribed. Whenever the subscriptions are
 made again (a node failed or was cut off, a slot moved: its node tells its
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +46,8 @@ from typing import Any
 import msgspec
 
 from dataplane.cluster import slot_of
+from dataplane.lane import Lane
+from dataplane.node_lanes import NodeLanes
 
 log = logging.getLogger("duplexq.bells")
 
@@ -62,11 +71,19 @@ class Moved(Exception):
 
 @dataclass(frozen=True)
 class _Subscribed:
-    """One node's connection and the bells it is subscribed to there."""
+    """One node's connection and the bells it is subscribed to there: a redis-py
+    connection (``conn``) or a lane's (``lane``, with its connection ``pushed``)."""
 
     conn: Any
     node: str
     bells: frozenset[str]
+    lane: Lane | None = None
+
+    async def close(self) -> None:
+        if self.lane is not None:
+            await self.lane.aclose()
+        else:
+            await self.conn.disconnect()
 
 
 class ChannelBells:
@@ -82,8 +99,12 @@ class ChannelBells:
         *,
         idle_s: float,
         running: Callable[[], bool],
+        lanes: NodeLanes | None = None,
     ) -> None:
         self.cluster = cluster
+        self.lanes = lanes
+        """Where a lane to a node comes from (a plain-TCP cluster); None: redis-py's
+        connections."""
         """The process's cluster client (``dataplane.cluster.ClusterClient``): its slot
         map says which node serves each bell, its nodes how to connect to them."""
         self.bells = list(bells)
@@ -119,7 +140,7 @@ class ChannelBells:
             finally:
                 for sub in subscribed:
                     with contextlib.suppress(Exception):
-                        await sub.conn.disconnect()
+                        await sub.close()
             if self.running():
                 with contextlib.suppress(Exception):
                     await self.cluster.refresh()
@@ -136,15 +157,16 @@ class ChannelBells:
     async def _subscribe(self, node: Any, bells: list[str]) -> _Subscribed:
         """A connection of its own to ``node``, subscribed to ``bells`` (one command per
         slot), returned once Redis confirmed every subscription."""
+        by_slot: dict[int, list[str]] = {}
+        for bell in bells:
+            by_slot.setdefault(slot_of(bell), []).append(bell)
+        commands = [("SSUBSCRIBE", *group) for group in by_slot.values()]
+        if self.lanes is not None:
+            return await self._subscribe_lane(node, bells, commands)
         conn = node.connection_class(**node.connection_kwargs)
         try:
             await conn.connect()
-            by_slot: dict[int, list[str]] = {}
-            for bell in bells:
-                by_slot.setdefault(slot_of(bell), []).append(bell)
-            await conn.send_packed_command(
-                conn.pack_commands([("SSUBSCRIBE", *group) for group in by_slot.values()])
-            )
+            await conn.send_packed_command(conn.pack_commands(commands))
             confirmed = 0
             while confirmed < len(bells):
                 reply = await conn.read_response(disable_decoding=True, timeout=self.idle_s)
@@ -162,9 +184,45 @@ class ChannelBells:
             raise
         return _Subscribed(conn, node.name, frozenset(bells))
 
+    async def _subscribe_lane(
+        self, node: Any, bells: list[str], commands: list[tuple[str, ...]]
+    ) -> _Subscribed:
+        """``_subscribe`` on a lane: each message is handled as it is parsed."""
+        assert self.lanes is not None
+        lane = self.lanes.new_lane(node)
+        loop = asyncio.get_running_loop()
+        confirmed: asyncio.Future[None] = loop.create_future()
+        count = 0
+
+        def pushed(reply: Any) -> None:
+            nonlocal count
+            if isinstance(reply, Exception):
+                raise reply
+            if _kind(reply) != b"ssubscribe":
+                self._message(reply)
+                return
+            count += 1
+            if count == len(bells) and not confirmed.done():
+                confirmed.set_result(None)
+
+        try:
+            protocol = await lane.subscribe(commands, pushed)
+            either: list[asyncio.Future[Any]] = [confirmed, protocol.ended]
+            await asyncio.wait(either, timeout=self.idle_s, return_when=asyncio.FIRST_COMPLETED)
+            if protocol.ended.done():
+                raise protocol.ended.result()
+            if not confirmed.done():
+                raise TimeoutError(f"{node.name} did not confirm the bells' subscriptions")
+        except BaseException:
+            confirmed.cancel()
+            await lane.aclose()
+            raise
+        return _Subscribed(protocol, node.name, frozenset(bells), lane)
+
     async def _follow_all(self, subscribed: list[_Subscribed]) -> None:
         """Follow every connection until one is lost or moved, or the reader stops."""
-        tasks = [asyncio.create_task(self._follow(sub)) for sub in subscribed]
+        follow = self._follow_lane if self.lanes is not None else self._follow
+        tasks = [asyncio.create_task(follow(sub)) for sub in subscribed]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -190,6 +248,27 @@ class ChannelBells:
             if isinstance(reply, Exception):
                 raise reply
             self._message(reply)
+
+    async def _follow_lane(self, sub: _Subscribed) -> None:
+        """``_follow`` for a lane's connection, whose messages are handled as they come:
+        this only watches it, every ``idle_s``, for its end and for a quiet spell."""
+        protocol = sub.conn
+        asked = -1.0  # when an unanswered PING was sent
+        while self.running():
+            await asyncio.wait([protocol.ended], timeout=self.idle_s)
+            if protocol.ended.done():
+                raise protocol.ended.result()
+            now = time.monotonic()
+            if protocol.heard > asked >= 0:  # the node answered
+                asked = -1.0
+            if now - protocol.heard < self.idle_s:
+                continue
+            if asked >= 0:
+                raise TimeoutError(f"{sub.node} did not answer a PING")
+            if self._moved(sub):
+                raise Moved(f"a bell's slot is no longer served by {sub.node}")
+            protocol.send([("PING",)])
+            asked = now
 
     def _message(self, reply: Any) -> None:
         kind = _kind(reply)

@@ -80,7 +80,7 @@ class BellReader:
         if self.bus.cluster:
             channels = ChannelBells(
                 self.bus.client, self.bells, self.on_ring, self.on_gap, self.started,
-                idle_s=self.block_ms / 1000, running=self.running,
+                idle_s=self.block_ms / 1000, running=self.running, lanes=self.bus.node_lanes,
             )  # fmt: skip
             await channels.run()
             return

@@ -225,8 +225,9 @@ class RedisBus:
         """Script calls made in the same loop turn share one round trip (``batch_size``:
         a batch that big goes at once, the rest of the turn's calls in the next)."""
         plain_cluster = url.startswith("redis+cluster://")
-        self._node_lanes = self._lanes_per_node(command_timeout) if plain_cluster else None
-        """On a plain-TCP cluster, reads of many streams go over a lane per node."""
+        self.node_lanes = self._lanes_per_node(command_timeout) if plain_cluster else None
+        """On a plain-TCP cluster, reads of many streams go over a lane per node (and the
+        bells' subscriptions over lanes it makes: ``dataplane.bell_channels``)."""
         self._replicated = (
             ReplicatedRunner(
                 self.client,
@@ -308,8 +309,8 @@ class RedisBus:
         self._readers.clear()
         if self.lane is not None:
             await self.lane.aclose()
-        if self._node_lanes is not None:
-            await self._node_lanes.aclose()
+        if self.node_lanes is not None:
+            await self.node_lanes.aclose()
         if self._replicated is not None:
             await self._replicated.aclose()
         if isinstance(self.client, ClusterClient):
@@ -404,8 +405,8 @@ class RedisBus:
         XREAD per slot, a round trip per node (``dataplane.node_lanes``)."""
         if self.lane is not None:
             return await self.xread(self.lane, streams, count, None)
-        if self._node_lanes is not None and streams:
-            return await self._node_lanes.read_now(
+        if self.node_lanes is not None and streams:
+            return await self.node_lanes.read_now(
                 streams, count, parse_raw_read_reply,
                 lambda group: self.xread(self.client, group, count, None),
             )  # fmt: skip

@@ -36,7 +36,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 from urllib.parse import unquote, urlsplit
 
@@ -82,6 +82,15 @@ class _Protocol(asyncio.Protocol):
         self.closed = False
         self.writable = asyncio.Event()
         self.writable.set()
+        self.pushed: Callable[[Any], None] | None = None
+        """Where replies go that no caller waits for, each as soon as it is parsed: a
+        subscribed connection's messages (``Lane.subscribe``)."""
+        self.heard = 0.0
+        """When a subscribed connection last received anything (monotonic clock)."""
+        self.error: BaseException | None = None
+        """What ``pushed`` raised, which ended the connection."""
+        self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        """Set once the connection is lost, to the error it ended with."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport instances, but behave as one.
@@ -101,6 +110,26 @@ class _Protocol(asyncio.Protocol):
             waiters.popleft()
             if not waiter.future.done():
                 waiter.future.set_result(replies)
+        if self.pushed is not None:
+            self.heard = time.monotonic()
+            self._push(self.pushed)
+
+    def _push(self, pushed: Callable[[Any], None]) -> None:
+        """Hand every complete reply to ``pushed``, here in the loop's callback: no task
+        wakes per message. What it raises ends the connection (``ended``)."""
+        while (reply := self.reader.gets()) is not False:
+            try:
+                pushed(reply)
+            except Exception as exc:
+                self.error = exc
+                self.abort()
+                return
+
+    def send(self, commands: Sequence[Sequence[Any]]) -> None:
+        """Write ``commands`` with nobody waiting for their replies (a subscribed
+        connection's replies go to ``pushed``)."""
+        if self.transport is not None and not self.closed:
+            self.transport.write(b"".join([hiredis.pack_command(tuple(c)) for c in commands]))
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -112,6 +141,8 @@ class _Protocol(asyncio.Protocol):
         self.closed = True
         self.writable.set()
         error = RedisConnectionError(f"the connection to Redis was lost: {exc or 'closed'}")
+        if not self.ended.done():
+            self.ended.set_result(self.error or error)
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.future.done():
@@ -234,6 +265,21 @@ class Lane:
                 if failures > self.retries or self._closed:
                     raise
                 await asyncio.sleep(backoff.compute(failures))
+
+    async def subscribe(
+        self, commands: Sequence[Sequence[Any]], pushed: Callable[[Any], None]
+    ) -> _Protocol:
+        """Connect (authenticated, as for any call) and make this a subscribed
+        connection: every reply from now on goes to ``pushed`` as soon as it is parsed
+        (Redis pushes a subscription's messages, not one reply per command), then send
+        ``commands`` (the subscriptions). The connection returned says when it ended
+        (``ended``) and when it last heard anything (``heard``); ``send`` writes on it.
+        A lane subscribed once serves nothing else."""
+        protocol = await self._connect()
+        protocol.pushed = pushed
+        protocol.heard = time.monotonic()
+        protocol.send(commands)
+        return protocol
 
     async def load(self, script: str) -> None:
         """SCRIPT LOAD (for ``dataplane.batching``)."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import msgspec
+import pytest
 import redis
 
 from dataplane.authority import SessionAuthority
@@ -52,6 +53,21 @@ class Heard:
         async with asyncio.timeout(10):
             while ring not in self.rings or self.gaps < gaps:
                 await asyncio.sleep(0.01)
+
+
+@pytest.fixture(params=["lanes", "redis-py"])
+def path(request: pytest.FixtureRequest) -> str:
+    """How the reader's connections are made: lanes (a plain-TCP cluster, as the tests'
+    cluster is) or redis-py's connections (as on a TLS cluster, where a bus has no
+    lanes)."""
+    return str(request.param)
+
+
+def cluster_bus(url: str, prefix: str, path: str) -> RedisBus:
+    bus = RedisBus(url, Keys(prefix))
+    if path == "redis-py":
+        bus.node_lanes = None  # as a TLS cluster's bus: reads and bells through redis-py
+    return bus
 
 
 @asynccontextmanager
@@ -89,9 +105,9 @@ def test_a_channel_message_names_its_kind_then_its_sessions():
 
 
 async def test_a_reader_hears_rings_again_after_its_connections_are_killed(
-    redis_cluster, key_prefix
+    redis_cluster, key_prefix, path
 ):
-    bus = RedisBus(redis_cluster.url, Keys(key_prefix))
+    bus = cluster_bus(redis_cluster.url, key_prefix, path)
     try:
         authority = await held_session(bus, "s1")
         async with reading(bus) as heard:
@@ -114,8 +130,8 @@ async def test_a_reader_hears_rings_again_after_its_connections_are_killed(
         await bus.aclose()
 
 
-async def test_a_reader_follows_its_bell_to_the_primary_its_slot_moved_to(own_cluster):
-    bus = RedisBus(own_cluster.url, Keys("moved"))
+async def test_a_reader_follows_its_bell_to_the_primary_its_slot_moved_to(own_cluster, path):
+    bus = cluster_bus(own_cluster.url, "moved", path)
     try:
         authority = await held_session(bus, "s1")
         bell = bus.keys.session("s1").bell(BELL)
@@ -159,12 +175,12 @@ async def test_calls_of_one_batch_ring_a_channel_once_per_kind(redis_cluster, ke
         await bus.aclose()
 
 
-async def test_a_reader_whose_primary_stops_answering_subscribes_again(own_cluster):
+async def test_a_reader_whose_primary_stops_answering_subscribes_again(own_cluster, path):
     """A primary that stops answering with its socket left open (stopped with SIGSTOP,
     for less than the cluster's node timeout, so no failover) sends nothing, not even a
     closed socket: the reader's PING goes unanswered, it subscribes again once the node
     answers, and is told of the gap."""
-    bus = RedisBus(own_cluster.url, Keys("quiet"))
+    bus = cluster_bus(own_cluster.url, "quiet", path)
     try:
         authority = await held_session(bus, "s1")
         node = own_cluster.primary_of(bus.keys.session("s1").bell(BELL))
