@@ -21,9 +21,13 @@ the setting, its value and what breaks; ``decide`` turns them into a ``Verdict``
     a primary whose replica is down or syncing, or      warning    warn       warn
     none while a node down or without slots may
     become one (a failover in progress);
-    repl-diskless-sync-delay > 0 on a cluster; CONFIG,
-    INFO or CLUSTER NODES refused (managed Redis:
-    the operator vouches); a node that does not answer
+    repl-diskless-sync-delay > 0 on a cluster; CONFIG
+    or CLUSTER NODES refused (managed Redis: the
+    operator vouches); a node that does not answer
+
+A primary's replicas are counted from its ``INFO replication`` (those online), or, where
+``INFO`` is refused (an ACL user without ``@dangerous``), from ``CLUSTER NODES`` (those
+not marked failed), as the script batches count them.
 
 A primary left without its replica by a failover is a state the cluster heals (the old
 primary rejoins as the replica), not a configuration: refusing then would turn one
@@ -199,20 +203,24 @@ def replica_findings(members: Iterable[Member], reports: Iterable[NodeReport]) -
         report = by_name.get(primary.name)
         if report is None or report.unreachable:
             continue  # said by its node finding
-        if report.replication is None:
-            out.append(Finding(Severity.WARNING, "INFO", "refused",
-                               f"INFO replication is refused on primary {primary.name} "
-                               f"({report.replication_error}): its replicas are not "
-                               "checked"))  # fmt: skip
-            continue
-        if online_replicas(report.replication) >= 1:
-            continue
-        listed = [m.name for m in members if m.primary_id == primary.id]
+        replicas = [m for m in members if m.primary_id == primary.id]
+        if report.replication is not None:
+            if online_replicas(report.replication) >= 1:
+                continue
+            unready = "down or syncing"
+        else:
+            # INFO refused (an ACL user without @dangerous): counted from CLUSTER NODES,
+            # as the script batches count them then (dataplane.replica_count): those the
+            # cluster does not mark failed. Whether they finished syncing is not shown.
+            if any(not m.down for m in replicas):
+                continue
+            unready = "down"
+        listed = [m.name for m in replicas]
         meanwhile = "its writes are acknowledged without a replica's copy meanwhile"
         if listed:
             out.append(Finding(Severity.WARNING, "replicas", "0 online",
                                f"primary {primary.name} has no replica online "
-                               f"({', '.join(listed)} down or syncing): {meanwhile}"))  # fmt: skip
+                               f"({', '.join(listed)} {unready}): {meanwhile}"))  # fmt: skip
         elif spare:
             out.append(Finding(Severity.WARNING, "replicas", "0",
                                f"primary {primary.name} has no replica, and "

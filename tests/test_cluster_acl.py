@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from coordinator.service import Coordinator
+from dataplane.redis_config import findings, observe
 from schemas.config import echo_pipeline
 from schemas.events import TextPayload
 from tests.pipeline_helpers import fast_settings, outputs_of, running_worker
@@ -41,6 +42,10 @@ async def test_an_acl_user_without_dangerous_commands_is_served_on_a_cluster(tmp
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.set("other:key", 1)
         url = cluster.url.replace("://", "://duplexq:s3cret@", 1)
+        # The start-up check counts each primary's replica from CLUSTER NODES: only
+        # CONFIG's refusal is left to say (the operator vouches for persistence).
+        said = {(f.severity.value, f.setting) for f in findings(await observe(url))}
+        assert said == {("warning", "CONFIG")}
         settings = fast_settings(url, "acl")
         pipeline = echo_pipeline("echo")
         coordinator = Coordinator(settings, pipeline)

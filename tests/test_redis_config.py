@@ -229,11 +229,17 @@ def _cluster(text: str, replication: dict[str, dict]) -> Observed:
             {"a3": _online(0)},
             [("error", "replicas", "10.0.0.3:7000")],
         ),
-        # INFO refused: the replicas cannot be counted.
-        (NODES, {"a1": None}, [("warning", "INFO", "10.0.0.1:7000")]),
+        # INFO refused (an ACL user): counted from CLUSTER NODES, as the batches do.
+        (NODES, {"a1": None}, []),
+        (
+            NODES.replace("b1 10.0.0.4:7000@17000 slave a1 0 0 1 connected",
+                          "b1 10.0.0.4:7000@17000 slave,fail a1 0 0 1 disconnected"),
+            {"a1": None},
+            [("warning", "node", "10.0.0.4:7000"), ("warning", "replicas", "10.0.0.4:7000 down")],
+        ),
     ],
     ids=["healthy", "replica-syncing", "after-failover", "old-primary-back", "no-replica",
-         "info-refused"],
+         "info-refused", "info-refused-replica-failed"],
 )  # fmt: skip
 def test_replica_findings(text, replication, expected):
     found = findings(_cluster(text, replication))
