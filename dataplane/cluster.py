@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
@@ -205,12 +206,23 @@ class ClusterClient(RedisCluster):
         """Closed for good (``close_for_good``). redis-py would connect afresh for a command,
         or a refresh, made after that, and the sockets it opened then were left for the
         garbage collector (``tests/test_cluster_close.py``)."""
+        self.relearned: list[Callable[[], None]] = []
+        """Called each time the whole slot map was learnt (again): the data plane's lanes
+        to nodes that no longer serve as primaries are closed then
+        (``dataplane.replicated``, ``dataplane.node_lanes``)."""
 
     async def initialize(self) -> ClusterClient:
         if self._closed:
             raise ClientClosedError("the Redis Cluster client is closed")
+        learning = self._initialize
         await super().initialize()
+        if learning:
+            self._tell_relearned()
         return self
+
+    def _tell_relearned(self) -> None:
+        for listener in self.relearned:
+            listener()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -266,6 +278,7 @@ class ClusterClient(RedisCluster):
                 await self.nodes_manager.initialize()
                 self._initialize = False
                 self._refreshed_at = started
+                self._tell_relearned()
             except Exception:  # no node answered yet: the next attempt asks again
                 self._initialize = True
             finally:

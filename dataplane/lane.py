@@ -286,6 +286,11 @@ class Lane:
         await self.execute("SCRIPT", "LOAD", script)
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection now, for good: whoever waits on it gets a
+        ``ConnectionError``, and later calls are refused."""
         self._closed = True
         if self._protocol is not None:
             self._protocol.abort()

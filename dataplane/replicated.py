@@ -132,6 +132,11 @@ class ReplicatedRunner:
         self._free_lanes: dict[str, list[Lane]] = {}
         """Node name -> its lanes with no batch in flight."""
         self._all_lanes: list[Lane] = []
+        self._serving: frozenset[str] | None = None
+        """The primaries' names as of the slot map learnt last (None: not known yet): a
+        lane to another node is closed once its batch is answered (``_prune``)."""
+        if lanes is not None:
+            cluster.relearned.append(self._prune)
         self._replicas = ReplicaCounts(self._send)
         self._pending: list[Call] = []
         """Calls made in this turn of the event loop, sent at its end."""
@@ -340,7 +345,7 @@ class ReplicatedRunner:
             try:
                 raw = await lane.pipeline(commands, extra_timeout_s=extra_s)
             finally:
-                self._free_lanes.setdefault(node.name, []).append(lane)
+                self._give_back(node.name, lane)
             replies = [named_error(r) if isinstance(r, Exception) else r for r in raw]
         else:
             replies = await self._send_redis_py(node, commands)
@@ -379,6 +384,26 @@ class ReplicatedRunner:
         lane = self.lanes.new_lane(node)
         self._all_lanes.append(lane)
         return lane
+
+    def _give_back(self, name: str, lane: Lane) -> None:
+        """Put a lane whose batch was answered back in its node's pool, or close it if
+        that node no longer serves as a primary."""
+        if self._serving is None or name in self._serving:
+            self._free_lanes.setdefault(name, []).append(lane)
+        else:
+            self._all_lanes.remove(lane)
+            lane.close()
+
+    def _prune(self) -> None:
+        """The slot map was learnt again: close the idle lanes to nodes that no longer
+        serve as primaries (a failover demoted them, or they left the cluster), which
+        were otherwise kept for good, each with its socket where the node lives on
+        (``tests/test_cluster.py``); a lane with a batch in flight goes when answered."""
+        self._serving = frozenset(node.name for node in self.cluster.get_primaries())
+        for name in [name for name in self._free_lanes if name not in self._serving]:
+            for lane in self._free_lanes.pop(name):
+                self._all_lanes.remove(lane)
+                lane.close()
 
     async def aclose(self) -> None:
         """Stop the batches in flight (a call retried through a failover would otherwise
