@@ -24,6 +24,10 @@ class Member:
     primary_id: str
     """The node id of its primary (a replica); ``-`` for a primary."""
     serves_slots: bool
+    linked: bool = True
+    """The answering node's cluster-bus link to it is up (``link-state`` ``connected``):
+    down at once when the node's process dies, where ``fail`` waits for the node
+    timeout."""
 
     @property
     def name(self) -> str:
@@ -59,16 +63,20 @@ def parse_cluster_nodes(text: str, seed_host: str = "") -> tuple[Member, ...]:
                 flags=frozenset(parts[2].split(",")),
                 primary_id=parts[3],
                 serves_slots=len(parts) > 8,
+                linked=parts[7] == "connected",
             )
         )
     return tuple(members)
 
 
-def live_replicas(text: str) -> int:
+def live_replicas(text: str, *, linked: bool = False) -> int:
     """The replicas of the node that answered ``CLUSTER NODES`` with ``text`` (its line is
-    flagged ``myself``) that it does not see down."""
+    flagged ``myself``) that it does not see down, and with ``linked`` only those it is
+    linked to: a replica whose process died loses its link at once, long before the
+    cluster flags it failed (``dataplane.replica_count`` says when that counts)."""
     members = parse_cluster_nodes(text)
     me = next((m for m in members if "myself" in m.flags), None)
     if me is None:
         return 0
-    return sum(1 for m in members if m.primary_id == me.id and not m.down)
+    return sum(1 for m in members
+               if m.primary_id == me.id and not m.down and (m.linked or not linked))  # fmt: skip

@@ -210,8 +210,8 @@ def replica_findings(members: Iterable[Member], reports: Iterable[NodeReport]) -
             unready = "down or syncing"
         else:
             # INFO refused (an ACL user without @dangerous): counted from CLUSTER NODES,
-            # as the script batches count them then (dataplane.replica_count): those the
-            # cluster does not mark failed. Whether they finished syncing is not shown.
+            # as the script batches count them then (dataplane.replica_count): those not
+            # marked failed. Whether they finished syncing is not shown.
             if any(not m.down for m in replicas):
                 continue
             unready = "down"

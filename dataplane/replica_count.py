@@ -7,10 +7,15 @@ at most once per ``REPLICA_CHECK_S`` per node.
 
 An application's ACL user is often refused ``INFO`` (``-@dangerous``, as managed Redis
 services and ``docs/deploy.md`` suggest). Then the count comes from the primary's own
-``CLUSTER NODES``: its replicas that it does not see down (``fail``, ``fail?``...). That
-view lags a replica's death by the cluster's node timeout, during which a ``WAIT``
-goes unanswered and the batch is retried (``NotReplicatedError``), as it is when a
-replica dies between two INFO checks (``tests/test_cluster_acl.py``).
+``CLUSTER NODES``: its replicas that it does not see down (``fail``, ``fail?``...), and,
+once a ``WAIT`` went unanswered, that it is still linked to. A replica's death unlinks
+it at once, as it drops out of INFO's count; its ``fail`` flag comes only after the
+cluster's node timeout (15 s by default), and a write waiting that long was close to
+failing (``RETRY_S``). A live replica's link can break and come back while it
+replicates on (a busy node's missed ``PONG``): that alone, with its ``WAIT``s answered,
+does not make its primary acknowledge without it. So a replica that dies costs a
+batch one unanswered ``WAIT`` (then retried, ``NotReplicatedError``), as when a replica
+dies between two INFO checks (``tests/test_cluster_acl.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class ReplicaCounts:
         """Node name -> (when asked, its replicas)."""
         self.info_refused = False
         """``INFO`` was refused (an ACL user): ``CLUSTER NODES`` is asked instead."""
+        self._unanswered: set[str] = set()
+        """Nodes whose replica did not acknowledge a ``WAIT`` since they were last asked:
+        counted from ``CLUSTER NODES``, a replica they are not linked to no longer counts
+        for them."""
 
     async def of(self, node: Any) -> int:
         now = time.monotonic()
@@ -64,8 +73,11 @@ class ReplicaCounts:
     def forget(self, node: Any) -> None:
         """Ask ``node`` again next time (its replica did not acknowledge)."""
         self._known.pop(node.name, None)
+        self._unanswered.add(node.name)
 
     async def _ask(self, node: Any) -> int:
+        unanswered = node.name in self._unanswered
+        self._unanswered.discard(node.name)
         if not self.info_refused:
             try:
                 (info,) = await self._send(node, [("INFO", "replication")])
@@ -74,4 +86,4 @@ class ReplicaCounts:
             else:
                 return connected_replicas(_text(info))
         (nodes,) = await self._send(node, [("CLUSTER", "NODES")])
-        return live_replicas(_text(nodes))
+        return live_replicas(_text(nodes), linked=unanswered)

@@ -181,6 +181,12 @@ def test_live_replicas_are_those_of_the_node_asked_that_it_sees_up():
     )
     assert live_replicas(NODES.replace("slave a2", "slave a1")) == 2
     assert live_replicas(NODES.replace("myself,", "")) == 0  # not a node's own view
+    # Its link down (its process died, or a busy node missed a PONG), not yet flagged
+    # failed: it counts unless asked for linked ones (after an unanswered WAIT).
+    unlinked = NODES.replace("slave a1 0 0 1 connected", "slave a1 0 0 1 disconnected")
+    assert live_replicas(unlinked) == 1
+    assert live_replicas(unlinked, linked=True) == 0
+    assert live_replicas(NODES, linked=True) == 1
 
 
 def test_online_replicas():
