@@ -72,7 +72,8 @@ class Moved(Exception):
 @dataclass(frozen=True)
 class _Subscribed:
     """One node's connection and the bells it is subscribed to there: a redis-py
-    connection (``conn``) or a lane's (``lane``, with its connection ``pushed``)."""
+    connection, or a subscribed lane's connection (``Lane.subscribe``) with its
+    ``lane``."""
 
     conn: Any
     node: str
@@ -102,11 +103,11 @@ class ChannelBells:
         lanes: NodeLanes | None = None,
     ) -> None:
         self.cluster = cluster
+        """The process's cluster client (``dataplane.cluster.ClusterClient``): its slot
+        map says which node serves each bell, its nodes how to connect to them."""
         self.lanes = lanes
         """Where a lane to a node comes from (a plain-TCP cluster); None: redis-py's
         connections."""
-        """The process's cluster client (``dataplane.cluster.ClusterClient``): its slot
-        map says which node serves each bell, its nodes how to connect to them."""
         self.bells = list(bells)
         self.on_ring = on_ring
         self.on_gap = on_gap

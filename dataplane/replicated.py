@@ -50,7 +50,7 @@ parsing in Python was a large share of a process's CPU per event. A ``WAIT``
 holds its connection (Redis runs nothing sent after it on that connection until
 it returns: a second or more when a replica is slow or cut off), so each batch
 in flight has a lane of its own, taken from a pool per node as from a pool of
-connections; a lease renewal never queues behind a ``WAIT``.
+connections (``dataplane.lane_pool``); a lease renewal never queues behind a ``WAIT``.
 
 A node at its ``maxmemory`` refuses a script's first write and the script writes
 nothing: that is raised at once as ``RedisFullError`` (``dataplane.full``), not retried.
@@ -76,7 +76,7 @@ from redis.exceptions import (
 from dataplane.batching import MAX_BATCH, Call, settle
 from dataplane.cluster import FAILOVER_ERRORS, RETRY_S, ClientClosedError, slot_of
 from dataplane.full import full_error, refused_for_memory
-from dataplane.lane import Lane
+from dataplane.lane_pool import LanePool
 from dataplane.metrics import UNREPLICATED_WRITES
 from dataplane.multi import (
     DOWN,
@@ -122,21 +122,13 @@ class ReplicatedRunner:
     ) -> None:
         self.cluster = cluster
         self.wait_ms = wait_ms
-        self.lanes = lanes
-        """Where lanes to a node come from (None: redis-py's connections are used, as
-        on a TLS cluster)."""
+        self.pool = LanePool(cluster, lanes) if lanes is not None else None
+        """A lane per batch in flight to each node (None: redis-py's connections are
+        used, as on a TLS cluster)."""
         self._multis: dict[str, Multi] = {}
         """Each script's multi form, by the script's sha."""
         self._loaded: set[tuple[str, str]] = set()
         """(node name, multi sha): multi forms sent to a node already."""
-        self._free_lanes: dict[str, list[Lane]] = {}
-        """Node name -> its lanes with no batch in flight."""
-        self._all_lanes: list[Lane] = []
-        self._serving: frozenset[str] | None = None
-        """The primaries' names as of the slot map learnt last (None: not known yet): a
-        lane to another node is closed once its batch is answered (``_prune``)."""
-        if lanes is not None:
-            cluster.relearned.append(self._prune)
         self._replicas = ReplicaCounts(self._send)
         self._pending: list[Call] = []
         """Calls made in this turn of the event loop, sent at its end."""
@@ -339,13 +331,13 @@ class ReplicatedRunner:
         with ``raise_on_error=False`` left in its place (as redis-py's cluster error:
         ``MOVED`` as ``MovedError``...). ``waits``: the commands end with a ``WAIT``
         (the lane's timeout allows for it)."""
-        if self.lanes is not None:
+        if self.pool is not None:
             extra_s = self.wait_ms / 1000 if waits else 0.0
-            lane = self._take_lane(node)
+            lane = self.pool.take(node)
             try:
                 raw = await lane.pipeline(commands, extra_timeout_s=extra_s)
             finally:
-                self._give_back(node.name, lane)
+                self.pool.give_back(node.name, lane)
             replies = [named_error(r) if isinstance(r, Exception) else r for r in raw]
         else:
             replies = await self._send_redis_py(node, commands)
@@ -374,37 +366,6 @@ class ReplicatedRunner:
             node._free.append(conn)  # back to the node's pool of free connections
         return replies
 
-    def _take_lane(self, node: Any) -> Lane:
-        """A lane to ``node`` with no batch in flight (a new one when all are busy; one
-        whose connection was lost connects again when next used)."""
-        free = self._free_lanes.get(node.name)
-        if free:
-            return free.pop()
-        assert self.lanes is not None
-        lane = self.lanes.new_lane(node)
-        self._all_lanes.append(lane)
-        return lane
-
-    def _give_back(self, name: str, lane: Lane) -> None:
-        """Put a lane whose batch was answered back in its node's pool, or close it if
-        that node no longer serves as a primary."""
-        if self._serving is None or name in self._serving:
-            self._free_lanes.setdefault(name, []).append(lane)
-        else:
-            self._all_lanes.remove(lane)
-            lane.close()
-
-    def _prune(self) -> None:
-        """The slot map was learnt again: close the idle lanes to nodes that no longer
-        serve as primaries (a failover demoted them, or they left the cluster), which
-        were otherwise kept for good, each with its socket where the node lives on
-        (``tests/test_cluster.py``); a lane with a batch in flight goes when answered."""
-        self._serving = frozenset(node.name for node in self.cluster.get_primaries())
-        for name in [name for name in self._free_lanes if name not in self._serving]:
-            for lane in self._free_lanes.pop(name):
-                self._all_lanes.remove(lane)
-                lane.close()
-
     async def aclose(self) -> None:
         """Stop the batches in flight (a call retried through a failover would otherwise
         go on learning the slot map, and open connections, after the client closed:
@@ -414,9 +375,8 @@ class ReplicatedRunner:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        lanes, self._all_lanes, self._free_lanes = self._all_lanes, [], {}
-        for lane in lanes:
-            await lane.aclose()
+        if self.pool is not None:
+            await self.pool.aclose()
 
 
 def refused_in_script(reply: Any) -> Any:

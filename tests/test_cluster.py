@@ -208,7 +208,8 @@ async def test_script_calls_of_one_turn_reach_each_primary_in_one_round_trip(red
         assert calls["cmdstat_wait"] == 3  # one per primary: the keys spread over all three
         # They went over lanes (replies parsed by hiredis), one per batch in flight.
         runner = bus._replicated
-        assert runner is not None and {lane.where for lane in runner._all_lanes} == {
+        assert runner is not None and runner.pool is not None
+        assert {lane.where for lane in runner.pool.open} == {
             f"{node.host}:{node.port}" for node in bus.client.get_primaries()
         }
     finally:

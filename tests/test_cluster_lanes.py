@@ -57,7 +57,9 @@ async def test_lanes_to_a_primary_demoted_by_a_failover_are_closed(tmp_path):
         demoted = cluster.primary_of(bus.keys.session("s0").meta)
         name = f"127.0.0.1:{demoted.port}"
         assert bus.node_lanes is not None and bus._replicated is not None
-        lanes = [bus.node_lanes._lanes[name], *bus._replicated._free_lanes[name]]
+        pool = bus._replicated.pool
+        assert pool is not None
+        lanes = [bus.node_lanes._lanes[name], *pool.idle(name)]
         ours = {local_address(lane) for lane in lanes}
         assert ours <= clients_of(demoted.port)
 
@@ -74,7 +76,7 @@ async def test_lanes_to_a_primary_demoted_by_a_failover_are_closed(tmp_path):
             while ours & clients_of(demoted.port):
                 await asyncio.sleep(0.05)
         assert name not in bus.node_lanes._lanes
-        assert name not in bus._replicated._free_lanes
+        assert not pool.idle(name)
         await append_and_read()  # and the promoted node serves on
     finally:
         await bus.aclose()
