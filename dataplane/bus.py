@@ -225,16 +225,18 @@ class RedisBus:
         """Script calls made in the same loop turn share one round trip (``batch_size``:
         a batch that big goes at once, the rest of the turn's calls in the next)."""
         plain_cluster = url.startswith("redis+cluster://")
-        self.node_lanes = self._lanes_per_node(command_timeout) if plain_cluster else None
-        """On a plain-TCP cluster, reads of many streams go over a lane per node (and the
-        bells' subscriptions over lanes it makes: ``dataplane.bell_channels``)."""
-        self._replicated = (
-            ReplicatedRunner(
-                self.client,
-                lanes=self._lanes_per_node(command_timeout) if plain_cluster else None,
+        self.node_lanes = (
+            NodeLanes(
+                self.client, timeout_s=command_timeout, connect_timeout_s=self._connect_timeout
             )
-            if self.cluster
+            if plain_cluster
             else None
+        )
+        """On a plain-TCP cluster, reads of many streams go over a lane per node; the
+        lanes of script batches (``dataplane.lane_pool``) and of the bells'
+        subscriptions (``dataplane.bell_channels``) are made by it too."""
+        self._replicated = (
+            ReplicatedRunner(self.client, lanes=self.node_lanes) if self.cluster else None
         )
         """On a cluster, scripts are acknowledged once a replica has their writes (on a
         plain-TCP one, sent over lanes, a batch in flight on each: ``dataplane.replicated``)."""
@@ -259,11 +261,6 @@ class RedisBus:
         self.rescore_script = self._register(scripts.RESCORE)
         if self._replicated is not None:
             self._replicated.no_wait(self.renew_script)
-
-    def _lanes_per_node(self, command_timeout: float) -> NodeLanes:
-        return NodeLanes(
-            self.client, timeout_s=command_timeout, connect_timeout_s=self._connect_timeout
-        )
 
     def _register(self, body: str) -> Any:
         flags, rest = split_flags(body)  # Redis reads a script's flags on its first line only

@@ -206,10 +206,10 @@ class ClusterClient(RedisCluster):
         """Closed for good (``close_for_good``). redis-py would connect afresh for a command,
         or a refresh, made after that, and the sockets it opened then were left for the
         garbage collector (``tests/test_cluster_close.py``)."""
-        self.relearned: list[Callable[[], None]] = []
-        """Called each time the whole slot map was learnt (again): the data plane's lanes
-        to nodes that no longer serve as primaries are closed then
-        (``dataplane.replicated``, ``dataplane.node_lanes``)."""
+        self.relearned: list[Callable[[frozenset[str]], None]] = []
+        """Called with the primaries' names each time the whole slot map was learnt
+        (again): the data plane's lanes to other nodes are closed then
+        (``dataplane.lane_pool``, ``dataplane.node_lanes``)."""
 
     async def initialize(self) -> ClusterClient:
         if self._closed:
@@ -221,8 +221,9 @@ class ClusterClient(RedisCluster):
         return self
 
     def _tell_relearned(self) -> None:
+        primaries = frozenset(node.name for node in self.get_primaries())
         for listener in self.relearned:
-            listener()
+            listener(primaries)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:

@@ -21,7 +21,6 @@ class LanePool:
     """Each node's lanes with no batch in flight, made by ``lanes`` when all are busy."""
 
     def __init__(self, cluster: Any, lanes: NodeLanes) -> None:
-        self.cluster = cluster
         self.lanes = lanes
         self._free: dict[str, list[Lane]] = {}
         """Node name -> its lanes with no batch in flight."""
@@ -57,11 +56,11 @@ class LanePool:
         """The node's lanes with no batch in flight."""
         return list(self._free.get(name, ()))
 
-    def prune(self) -> None:
-        """The slot map was learnt again: close the idle lanes to nodes that no longer
-        serve as primaries; a lane with a batch in flight goes when answered."""
-        self._serving = frozenset(node.name for node in self.cluster.get_primaries())
-        for name in [name for name in self._free if name not in self._serving]:
+    def prune(self, serving: frozenset[str]) -> None:
+        """The slot map was learnt again, ``serving`` its primaries: close the idle lanes
+        to other nodes; a lane with a batch in flight goes when answered."""
+        self._serving = serving
+        for name in [name for name in self._free if name not in serving]:
             for lane in self._free.pop(name):
                 self._drop(lane)
 

@@ -57,11 +57,10 @@ class NodeLanes:
         """Node name (host:port) -> its lane."""
         cluster.relearned.append(self._prune)
 
-    def _prune(self) -> None:
-        """The slot map was learnt again: close the lanes to nodes that no longer serve
-        as primaries (reads go to primaries only); a read in flight on one is read again
+    def _prune(self, serving: frozenset[str]) -> None:
+        """The slot map was learnt again, ``serving`` its primaries: close the lanes to
+        other nodes (reads go to primaries only); a read in flight on one is read again
         through redis-py's client, as after any lost connection."""
-        serving = {node.name for node in self.cluster.get_primaries()}
         for name in [name for name in self._lanes if name not in serving]:
             self._lanes.pop(name).close()
 
