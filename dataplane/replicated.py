@@ -197,8 +197,14 @@ class ReplicatedRunner:
         try:
             await asyncio.gather(*sends)
         except BaseException as exc:  # cancelled (shutdown): no caller is left waiting
+            # A caller whose call the runner's close cut short hears that the client
+            # closed, not a CancelledError: raised into a task nobody cancelled, that
+            # reads as the task's own cancellation (``except Exception`` lets it through,
+            # a timeout or a task group takes it for theirs).
+            closed = self._closed and isinstance(exc, asyncio.CancelledError)
+            outcome = ClientClosedError("the Redis Cluster client is closed") if closed else exc
             for call in calls:
-                settle(call, exc)
+                settle(call, outcome)
             raise
 
     async def _batch(self, node: Any, calls: list[Call]) -> None:
@@ -369,7 +375,7 @@ class ReplicatedRunner:
     async def aclose(self) -> None:
         """Stop the batches in flight (a call retried through a failover would otherwise
         go on learning the slot map, and open connections, after the client closed:
-        their callers get the cancellation) and close the lanes."""
+        their callers get ``ClientClosedError``) and close the lanes."""
         self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
