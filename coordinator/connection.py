@@ -108,7 +108,6 @@ class Connection:
         self.hub = hub
         self.socket = socket
         self.coordinator = hub.coordinator
-        self.session_id = ""
         self.attachment = secrets.token_hex(8)
         """This connection's id in the session's attachment."""
         self.identity = identity or Identity("")
@@ -125,6 +124,12 @@ class Connection:
         """Set once this connection stopped serving (evicted or overflowed): nothing more
         is sent on its socket or written for its session."""
         self._pump_task: asyncio.Task[None] | None = None
+
+    @property
+    def session_id(self) -> str:
+        """The session this connection serves ("" until it opens or resumes one): held
+        by its turns, which write to it too."""
+        return self.turns.session_id
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -205,7 +210,7 @@ class Connection:
 
     async def _open(self) -> None:
         self.hub.reserve()
-        self.session_id = self.turns.session_id = f"sess_{secrets.token_hex(12)}"
+        self.turns.session_id = f"sess_{secrets.token_hex(12)}"
         await self.hub.live.admit(self.session_id, self.key_digest, _now_ms(), resume=False)
         token = secrets.token_urlsafe(32)
         fence = await self.coordinator.open(self.session_id)
@@ -250,7 +255,7 @@ class Connection:
             raise AuthError(str(exc), ErrorCode.RESUME_FAILED) from exc
         await self.coordinator.drop_resume_tokens(dropped)
         await self.hub.live.admit(session_id, self.key_digest, _now_ms(), resume=True)
-        self.session_id = self.turns.session_id = session_id
+        self.turns.session_id = session_id
         self.config = await self.coordinator.stored_config(session_id)
         self.translator.spoken = stage_settings(self.config).audio_output
         self.turns.state.resumed()
