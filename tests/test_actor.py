@@ -201,3 +201,37 @@ async def test_drafts_of_work_released_meanwhile_are_dropped_and_counted(redis_s
             actor.ownership.bus.keys.metrics, f"dropped:{STAGE}:epoch"
         )
         assert int(shared) == 2
+
+
+async def test_drafts_released_before_the_relay_is_cancelled_are_counted(redis_server, key_prefix):
+    """The relay of an answer whose drafts were released, cancelled before the answer
+    ended (its actor stopping): the drafts it dropped until then are counted, in the
+    process at once and in the shared metrics as it stops. It counted them only at the
+    answer's end, so a cancel lost them."""
+    from dataplane.metrics import value
+    from workers.backends.base import OutputDraft
+
+    class BargesInThenHangs(StreamingEcho):
+        async def handle(self, ctx, event):
+            ctx.stage_fence.on_interrupt(ctx.fence.replace(epoch=ctx.fence.epoch + 1))
+            for text in ("a", "b"):
+                yield OutputDraft(OutputKind.TEXT_DELTA, text=text)
+            await asyncio.Event().wait()  # the answer never ends on its own
+
+    async with owned_actor(redis_server, key_prefix, backend=BargesInThenHangs({})) as actor:
+        before = value("duplexq_dropped_stale_total", stage=STAGE, reason="epoch")
+        handling = asyncio.create_task(actor._handle(text_input(actor, 1, "hello")))
+        for _ in range(500):  # both drafts reach the relay, with no I/O in between
+            if value("duplexq_dropped_stale_total", stage=STAGE, reason="epoch") - before == 2:
+                break
+            await asyncio.sleep(0.001)
+        assert value("duplexq_dropped_stale_total", stage=STAGE, reason="epoch") - before == 2
+        assert not handling.done()
+        handling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handling
+        assert actor._pending == []
+        shared = await actor.ownership.bus.client.hget(
+            actor.ownership.bus.keys.metrics, f"dropped:{STAGE}:epoch"
+        )
+        assert int(shared) == 2

@@ -402,23 +402,36 @@ class SessionActor:
         answer's ``Coalescer`` decides, and none is left held when the answer ends."""
         coalescer = Coalescer(self.coalesce)
         released_drafts = 0
-        while (draft := await _next_draft(drafts, coalescer.deadline)) is not None:
-            if draft is _Due.DUE:
+        epoch = MismatchReason.EPOCH.value
+        try:
+            while (draft := await _next_draft(drafts, coalescer.deadline)) is not None:
+                if draft is _Due.DUE:
+                    await self._publish_held(coalescer)
+                    continue
+                if not self.active:
+                    continue  # stopped: the event stays unapplied for whoever serves next
+                if self.stage_fence.is_stale(fence):
+                    # Released while queued: never published. The process counts it at
+                    # once; the shared metrics when the relay ends.
+                    released_drafts += 1
+                    DROPPED_STALE.labels(stage=self.ctx.stage, reason=epoch).inc()
+                    continue
+                if self._published_before_death(event.seq):
+                    continue
+                self._stage(draft, fence, event.seq)
+                if draft.flush and coalescer.hold(_now(), draft.kind):
+                    await self._publish_held(coalescer)
+            if coalescer.held:
                 await self._publish_held(coalescer)
-                continue
-            if not self.active:
-                continue  # stopped: the event stays unapplied for whoever serves next
-            if self.stage_fence.is_stale(fence):
-                released_drafts += 1  # released while queued: never published
-                continue
-            if self._published_before_death(event.seq):
-                continue
-            self._stage(draft, fence, event.seq)
-            if draft.flush and coalescer.hold(_now(), draft.kind):
-                await self._publish_held(coalescer)
-        if coalescer.held:
-            await self._publish_held(coalescer)
-        await self.count_drop(MismatchReason.EPOCH.value, released_drafts)
+        finally:
+            # Cancelled midway too (the actor stops): the drafts released so far reach
+            # the shared metrics, as far as Redis takes them then.
+            if released_drafts:
+                try:
+                    await self.ownership.note_drop(epoch, released_drafts)
+                except Exception as exc:  # a closing bus: the process's count stands
+                    log.warning("%d released drafts are not in the shared metrics: %r",
+                                released_drafts, exc, extra=self._extra())  # fmt: skip
 
     async def _publish_held(self, coalescer: Coalescer) -> None:
         """Publish what is staged, the drafts the coalescer holds among it."""
