@@ -377,6 +377,9 @@ def cluster_client(url: str, **options: Any) -> ClusterClient:
         plain, cluster_error_retry_attempts=1, connection_error_retry_attempts=1, **options
     )
     assert isinstance(client, ClusterClient)
-    # Nodes learnt from the slot map (every node commands go to) pack with hiredis.
-    client.nodes_manager.connection_kwargs["connection_class"] = PackedConnection
+    # Nodes learnt from the slot map (every node commands go to) pack with hiredis. A TLS
+    # cluster keeps redis-py's own TLS connection, as one Redis over TLS does: the packed
+    # one speaks plain TCP (given the TLS options, it refused to be made at all).
+    if not url.startswith("rediss"):
+        client.nodes_manager.connection_kwargs["connection_class"] = PackedConnection
     return client

@@ -29,7 +29,9 @@ class RedisCluster:
     several seed nodes. ``extra``: more redis-server options for every node (an ACL
     user's)."""
 
-    def __init__(self, workdir: Path, *, replicas: int = 1, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self, workdir: Path, *, replicas: int = 1, extra: Sequence[str] = (), tls: bool = False
+    ) -> None:
         options = [
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
@@ -39,15 +41,33 @@ class RedisCluster:
         ]  # fmt: skip
         self.replicas = replicas
         """Replicas per primary (0: a cluster whose primaries have none)."""
+        self.cert: Path | None = None
+        """With ``tls``: the self-signed certificate every node serves (its own CA)."""
+        if tls:
+            self.cert = workdir / "cert.pem"
+            options += tls_options(workdir)
         count = 3 * (1 + replicas)
         self.nodes = [RedisServer(workdir / f"node{i}", extra=options) for i in range(count)]
+        self.tls_ports: dict[int, int] = {}
+        """With ``tls``: each node's TLS port, by its plain port. The nodes talk to one
+        another (cluster bus, replication) and to duplexq over TLS only; the plain port
+        is the tests' own way in (``wait_ok``, ``primary_of``)."""
         for node in self.nodes:
             node.port = cluster_port()
+            if tls:
+                # The cluster bus listens 10000 above the TLS port: cluster_port keeps it free.
+                self.tls_ports[node.port] = cluster_port()
+                node.extra += ["--tls-port", str(self.tls_ports[node.port])]
 
     @property
     def url(self) -> str:
-        seeds = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:3])
-        return f"redis+cluster://{seeds}"
+        """duplexq's URL for the cluster: ``rediss+cluster://`` with the CA to trust when
+        the cluster speaks TLS."""
+        if self.cert is None:
+            seeds = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:3])
+            return f"redis+cluster://{seeds}"
+        seeds = ",".join(f"127.0.0.1:{self.tls_ports[node.port]}" for node in self.nodes[:3])
+        return f"rediss+cluster://{seeds}?ssl_ca_certs={self.cert}&ssl_check_hostname=false"
 
     def start(self) -> None:
         try:
@@ -208,3 +228,21 @@ def another_slot_of(node: RedisServer, *taken: int) -> int:
             if int(owner[1]) == node.port:
                 return next(s for s in range(first, last + 1) if s not in taken)
     raise LookupError("the node serves no slot")
+
+
+def tls_options(workdir: Path) -> list[str]:
+    """redis-server options for a node that serves TLS with a self-signed certificate
+    made in ``workdir`` (made once), and speaks TLS to the other nodes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    if not cert.exists():
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+             "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+    return [
+        "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+        "--tls-cluster", "yes", "--tls-replication", "yes",
+    ]  # fmt: skip

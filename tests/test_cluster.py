@@ -266,12 +266,14 @@ async def test_a_client_whose_last_refresh_failed_still_closes_every_connection(
     assert not any(conn.is_connected for node in nodes for conn in node._connections)
 
 
-async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_acknowledged_inputs_survive_a_primary_killed_with_sigkill(tmp_path, tls):
     """Clients append while the primary serving their sessions is killed with SIGKILL;
     the cluster promotes its replica. No append fails: each waits through the
     failover (``dataplane.cluster``). Every input is in the log and answered once, in
-    order."""
-    cluster = RedisCluster(tmp_path / "cluster")
+    order. Over plain TCP and over TLS (``rediss+cluster://``: redis-py's connections
+    instead of lanes, for the scripts, the reads and the bells)."""
+    cluster = RedisCluster(tmp_path / "cluster", tls=tls)
     cluster.start()
     try:
         settings = fast_settings(cluster.url, "kill")
