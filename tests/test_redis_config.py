@@ -425,6 +425,17 @@ async def test_the_suites_cluster_reports_nothing(redis_cluster):
     assert await _settled(redis_cluster.url, lambda found: not found) == []
 
 
+async def test_a_tls_clusters_check_reports_nothing(tmp_path):
+    """The check reaches every node of a cluster over TLS (``rediss+cluster://``), as it
+    does over plain TCP: each node's settings and replicas read, nothing to report."""
+    cluster = RedisCluster(tmp_path / "cluster", tls=True)
+    try:
+        cluster.start()
+        assert await _settled(cluster.url, lambda found: not found) == []
+    finally:
+        cluster.stop()
+
+
 async def test_a_primary_whose_replica_is_gone_is_reported(tmp_path):
     cluster = RedisCluster(tmp_path / "cluster")
     try:
