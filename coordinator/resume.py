@@ -18,7 +18,6 @@ from typing import NamedTuple
 from coordinator.output_reader import JournalFollower
 from coordinator.realtime import SEQ_STRIDE, ServerEvent, ServerEventTranslator, server_seq
 from coordinator.service import Coordinator
-from dataplane import session_meta
 from dataplane.bus import Entry
 from schemas.errors import AuthError, ErrorCode
 from schemas.fence import Fence
@@ -37,21 +36,19 @@ class Replay(NamedTuple):
 async def replay_journal(
     coordinator: Coordinator, session_id: str, after_seq: int, translator: ServerEventTranslator
 ) -> Replay:
-    bus = coordinator.bus
-    sk = bus.keys.session(session_id)
-    current = await coordinator.authority.current(session_id)
-    if await session_meta.status(bus, session_id) != "open":
+    current = await coordinator.current(session_id)
+    if not await coordinator.is_open(session_id):
         raise AuthError(f"session {session_id} is no longer open", ErrorCode.RESUME_FAILED)
     follower = JournalFollower(session_id, Fence(session_id))
     received = after_seq // SEQ_STRIDE
     """Journal seq of the last entry the client received (some of) the events of."""
     events: list[ServerEvent] = []
     floored = False
-    start = "-"
-    while page := await bus.xrange(sk.client, start, "+", count=PAGE):
-        if start == "-":
+    after = ""
+    while page := await coordinator.journal_page(session_id, after, PAGE):
+        if not after:
             _check_not_trimmed(page, after_seq)
-        start = "(" + page[-1].id
+        after = page[-1].id
         for entry in page:
             if not floored and int(entry.fields.get(b"n", b"0")) > received:
                 follower.view.raise_epoch_floor(current.epoch)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from coordinator.output_reader import Delivery, JournalFollower, OutputReader
 from dataplane import session_meta
 from dataplane.authority import AppendReceipt, CancelResult, SessionAuthority
-from dataplane.bus import RedisBus
+from dataplane.bus import Entry, RedisBus
 from schemas.config import PipelineConfig, Settings
 from schemas.events import CommitPayload, InputMode, Payload
 from schemas.fence import Fence
@@ -113,6 +113,21 @@ class Coordinator:
     async def stored_config(self, session_id: str) -> SessionConfig:
         """The session's configuration as its last ``session.update`` left it."""
         return await session_meta.config(self.bus, session_id)
+
+    async def current(self, session_id: str) -> Fence:
+        """The session's current fence as Redis has it."""
+        return await self.authority.current(session_id)
+
+    async def is_open(self, session_id: str) -> bool:
+        """Whether the session is open (not closed, expired or never opened)."""
+        return await session_meta.status(self.bus, session_id) == "open"
+
+    async def journal_page(self, session_id: str, after: str, count: int) -> list[Entry]:
+        """Up to ``count`` entries of the session's client journal, oldest first, after
+        the entry ``after`` (``""``: from its start)."""
+        start = f"({after}" if after else "-"
+        return await self.bus.xrange(self.bus.keys.session(session_id).client, start, "+",
+                                     count=count)  # fmt: skip
 
     async def reserved_response(self, session_id: str) -> int:
         """The response_seq of the session's newest reserved response."""
