@@ -84,7 +84,9 @@ class Coordinator:
         """End the user's turn: reserve the response to it (response_seq + 1), then append
         the commit (``payload``, a plain one by default) that asks for it. ``notice``,
         given the reserved fence, is journaled between the two (as a receipt), so that it
-        precedes the response's first output; it is never a conversation item."""
+        precedes the response's first output; it is never a conversation item. A commit
+        after a notice is written on a full Redis too, as the notice is: the client was
+        told of its response (``tests/test_redis_full.py``)."""
         fence = await self.authority.reserve_response(session_id, attachment=attachment)
         told = notice(fence) if notice is not None else None
         if told is not None:
@@ -92,8 +94,9 @@ class Coordinator:
         if payload is None:
             payload = CommitPayload()
         receipt = await self.authority.append(
-            session_id, InputMode.TURN_COMMIT_ONLY, payload, attachment=attachment
-        )
+            session_id, InputMode.TURN_COMMIT_ONLY, payload, attachment=attachment,
+            taken=told is not None,
+        )  # fmt: skip
         return Commit(fence, receipt)
 
     async def journal(

@@ -211,11 +211,14 @@ class SessionAuthority:
         fence: Fence | None = None,
         ts_ms: int | None = None,
         attachment: str = "",
+        taken: bool = False,
     ) -> AppendReceipt:
         """Append one input to the session log under ``fence`` (or the current fence).
         With ``attachment`` (a client connection's id) the input is refused
         (``SessionReplacedError``) unless that connection still serves the session, in
-        the same atomic step (``tests/test_coordinator_fencing.py``)."""
+        the same atomic step (``tests/test_coordinator_fencing.py``). ``taken``: the
+        client was already told it was taken (a commit after its response's request
+        notice): it is written on a full Redis too (``scripts.APPEND_TAKEN``)."""
         try:
             checked = mode if type(mode) is InputMode else InputMode(mode)
         except ValueError as exc:
@@ -230,7 +233,7 @@ class SessionAuthority:
             given = ["1", fence.incarnation, fence.epoch, fence.turn_id, fence.response_seq]
         tail = encode_tail(checked, payload, now_ms() if ts_ms is None else ts_ms)
         reply = await self._call(
-            self.bus.append_script,
+            self.bus.append_taken_script if taken else self.bus.append_script,
             session_id,
             self._append_keys(session_id),
             [session_id, checked, tail, attachment, *given],

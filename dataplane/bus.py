@@ -242,6 +242,7 @@ class RedisBus:
         plain-TCP one, sent over lanes, a batch in flight on each: ``dataplane.replicated``)."""
         self.open_script = self._register(scripts.OPEN)
         self.append_script = self._register(scripts.APPEND)
+        self.append_taken_script = self._register(scripts.APPEND_TAKEN)
         self.accept_script = self._register(scripts.ACCEPT)
         self.cancel_script = self._register(scripts.CANCEL)
         self.close_script = self._register(scripts.CLOSE)

@@ -333,6 +333,13 @@ redis.call('HSET', KEYS[1], unpack(changes))
 return reply
 """
 
+APPEND_TAKEN = "#!lua flags=allow-oom\n" + APPEND
+"""``APPEND`` for the commit of a turn whose response a journaled notice already announced
+(``response.created`` for a ``response.create``, ``Coordinator.commit``): it runs on a full
+Redis too. Refused, it left a response the client was told of with no commit asking for
+it. It takes memory only once per response reserved, and the reservation (``RESERVE``)
+is refused on a full Redis (``tests/test_redis_full.py``)."""
+
 # KEYS: meta
 # ARGV: inc ep tu rs   (move the fence forward without an input)
 ACCEPT = r"""
@@ -456,8 +463,9 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 (``dataplane.full``). Only for a script whose writes take no more memory. It must be the
 script's very first line (``RedisBus`` puts the prelude after it). On a cluster Redis
 then also refuses a script that touches keys of more than one slot, declared or not:
-each script that starts with it touches only KEYS[1] (``RECEIPT``: keys of one slot).
-The one exception to "no more memory" is ``RECEIPT``, whose growth is bounded."""
+each script that starts with it touches only KEYS[1] (``RECEIPT``, ``APPEND_TAKEN``: keys
+of one slot). The exceptions to "no more memory" are ``RECEIPT`` and ``APPEND_TAKEN``,
+whose growth is bounded."""
 
 # KEYS: lease     ARGV: token ttl_ms
 # Runs on a full Redis (``ALLOW_OOM``): a lease must not lapse, and its session fail over,

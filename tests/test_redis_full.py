@@ -16,6 +16,8 @@ import redis
 import redis.asyncio as aioredis
 
 from coordinator.attachments import Attachments
+from coordinator.response_requests import REQUESTED
+from coordinator.service import Coordinator
 from dataplane.authority import SessionAuthority
 from dataplane.bus import RedisBus
 from dataplane.multi import multi_script
@@ -127,6 +129,40 @@ async def test_renewals_and_holds_run_on_a_full_redis(target, key_prefix):
             assert await bus.client.zscore(lease_index, "s1") == 2000 + 3000
     finally:
         await bus.aclose()
+
+
+async def test_a_requested_responses_commit_lands_on_a_redis_that_fills_after_its_notice(
+    target, key_prefix
+):
+    """A ``response.create`` reserves its response, journals the notice that it was asked
+    for (the client hears ``response.created``), then appends the turn's commit. Redis
+    filling up between the notice and the commit left a response the client was told of
+    with no commit asking for it: never answered, never done. The commit that follows
+    such a notice runs on a full Redis too, as the notice does: one commit per response
+    reserved, and the reservation is refused on a full Redis."""
+    url, ports = target
+    coordinator = Coordinator(fast_settings(url, key_prefix), echo_pipeline("echo"))
+    keys = coordinator.bus.keys.session("s1")
+    filling = contextlib.ExitStack()
+
+    def notice(fence):
+        filling.enter_context(refusing_writes(ports))  # Redis is full from here on
+        return {"type": REQUESTED, "response_id": f"resp_{fence.response_seq}"}
+
+    try:
+        await coordinator.open("s1")
+        with filling:
+            commit = await coordinator.commit("s1", notice=notice)
+            assert commit.receipt.seq == 1 and commit.fence.response_seq == 1
+            with pytest.raises(RedisFullError):  # anything else is refused still
+                await coordinator.append("s1", "append_text", TextPayload("a"))
+            with pytest.raises(RedisFullError):  # and so is the next reservation
+                await coordinator.commit("s1", notice=lambda fence: None)
+        assert await coordinator.bus.xlen(keys.input) == 1
+        journal = await coordinator.journal_page("s1", "", 10)
+        assert [b"requested" in e.fields[b"e"] for e in journal] == [True]
+    finally:
+        await coordinator.aclose()
 
 
 def test_the_multi_form_keeps_a_scripts_flags_first():
