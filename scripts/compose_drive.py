@@ -22,7 +22,14 @@ and checked; the first failed check ends the run with its reason:
    stages failed over (Redis was down for well under a lease's TTL);
 7. the echo profile's stack (its own coordinator, on the port the default
    one had) answers a turn;
-8. ``docker-compose down``: no container of the project is left.
+8. the echo profile's stack on the cluster profile's Redis Cluster, set up as
+   docs/deploy.md says (six nodes joined by the one-shot ``redis-cluster``):
+   a turn is answered; ``docker kill`` of the primary serving the session: its
+   replica is promoted, every input acknowledged before is kept, and the session
+   answers again;
+9. ``docker-compose down``: no container of the project is left.
+
+``--only echo,cluster`` runs only those steps (``default`` is steps 1-6).
 
 Only 127.0.0.1 is contacted: the coordinator's published port. Redis is read
 with ``docker-compose exec redis redis-cli`` (it is not published).
@@ -82,6 +89,8 @@ class Stack:
     killed: set[str] = field(default_factory=set)
     """Containers the drive killed: their restart policy may bring them back."""
     figures: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)
+    """More variables for docker-compose (the cluster profile's URLs)."""
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -90,6 +99,7 @@ class Stack:
             DUPLEXQ_PUBLISH_PORT=str(self.port),
             DUPLEXQ_ECHO_PUBLISH_PORT=str(self.port),
             DUPLEXQ_API_KEYS=API_KEY,
+            **self.extra,
         )
         return env
 
@@ -391,6 +401,83 @@ async def echo_profile(stack: Stack) -> None:
     await stack.compose("--profile", "echo", "down", "--volumes", "--timeout", "10")
 
 
+CLUSTER_ENV = {
+    "DUPLEXQ_REDIS_URL": "redis+cluster://redis-node-0:6379,redis-node-1:6379,redis-node-2:6379",
+    "DUPLEXQ_CONTROL_REDIS_URL": "redis://redis:6379/0",
+}
+"""The variables docs/deploy.md sets for the cluster profile."""
+
+NODES = [f"redis-node-{i}" for i in range(6)]
+
+
+async def node_cli(stack: Stack, node: str, *args: str) -> str:
+    """``redis-cli`` in a node's container, following the cluster's redirections."""
+    return await stack.compose("exec", "-T", node, "redis-cli", "-c", "--raw", *args)
+
+
+async def primary_of(stack: Stack, key: str, ask: str) -> str:
+    """The service name of the node serving ``key`` now, as node ``ask`` sees it (the
+    nodes announce their service names)."""
+    slot = int((await node_cli(stack, ask, "CLUSTER", "KEYSLOT", key)).strip())
+    for line in (await node_cli(stack, ask, "CLUSTER", "NODES")).splitlines():
+        fields = line.split()
+        if "master" not in fields[2] or "fail" in fields[2]:
+            continue
+        for part in fields[8:]:
+            start, _, end = part.partition("-")
+            if start.isdigit() and int(start) <= slot <= int(end or start):
+                return fields[1].split(",", 1)[1]  # ip:port@bus,hostname
+    raise Failed(f"no primary serves slot {slot}")
+
+
+async def cluster_inputs(stack: Stack, session_id: str, ask: str) -> list[str]:
+    out = await node_cli(stack, ask, "XRANGE", Keys().session(session_id).input, "-", "+")
+    return [line for line in out.splitlines() if re.fullmatch(r"\d+-\d+", line)]
+
+
+async def cluster_profile(stack: Stack) -> None:
+    """The echo profile's stack on the cluster profile's Redis Cluster: a turn answered;
+    the primary serving the session killed, its replica promoted, every acknowledged input
+    kept, and the next turn answered."""
+    stack.extra = dict(CLUSTER_ENV)
+    services = ["echo-coordinator", "echo-control", "echo-thinker", "echo-talker"]
+    await stack.compose("--profile", "echo", "--profile", "cluster", "up", "-d", "--no-build",
+                        "redis", *NODES, "redis-cluster", *services)  # fmt: skip
+    healthy_s = await stack.wait_healthy(
+        {"redis": 1, **dict.fromkeys(NODES, 1), **dict.fromkeys(services, 1)}
+    )
+    async with Session(stack.port) as session:
+        stack.watched = ""  # session_state reads the plain Redis: not this session's
+        answer, _, _ = await session.answer("on a cluster")
+        if "on a cluster" not in answer:
+            raise Failed(f"the echo pipeline on the cluster answered {answer!r}")
+        meta = Keys().session(session.id).meta
+        victim = await primary_of(stack, meta, "redis-node-0")
+        ask = next(node for node in NODES if node != victim)
+        before = await cluster_inputs(stack, session.id, ask)
+        [container] = await stack.containers(victim)
+        stack.killed.add(container["Id"])
+        await stack.run(stack.docker, "kill", container["Id"])
+        killed_at = time.monotonic()
+        again, _, _ = await session.answer("after the kill")
+        if "after the kill" not in again:
+            raise Failed(f"after {victim} was killed the pipeline answered {again!r}")
+        answered_s = time.monotonic() - killed_at
+        promoted = await primary_of(stack, meta, ask)
+        lost = set(before) - set(await cluster_inputs(stack, session.id, ask))
+        if lost:
+            raise Failed(f"{len(lost)} acknowledged inputs lost with {victim}")
+    stack.figures["cluster: kill of the session's primary to the next answer"] = (
+        f"{answered_s:.1f} s"
+    )
+    print(f"cluster profile healthy in {healthy_s:.0f} s and answered {answer!r}; killed "
+          f"{victim}: {promoted} serves the session, {len(before)} inputs kept, "
+          f"answered again {answered_s:.1f} s later")  # fmt: skip
+    await stack.compose("--profile", "echo", "--profile", "cluster", "down", "--volumes",
+                        "--timeout", "10")  # fmt: skip
+    stack.extra = {}
+
+
 async def show_logs(stack: Stack) -> None:
     """After a failed check: every service's log, whole, in var/compose-logs.txt, and
     its warnings and errors on the console (where CI keeps them)."""
@@ -437,14 +524,24 @@ async def session_state(stack: Stack, session_id: str) -> str:
 NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Error\b|lost|retry", re.IGNORECASE)
 
 
-async def drive(stack: Stack) -> None:
-    try:
-        await default_pipeline(stack)
-    except Failed:
-        with contextlib.suppress(Failed):
-            await show_logs(stack)
-        raise
-    await echo_profile(stack)
+async def drive(stack: Stack, only: set[str]) -> None:
+    if "default" in only:
+        try:
+            await default_pipeline(stack)
+        except Failed:
+            with contextlib.suppress(Failed):
+                await show_logs(stack)
+            raise
+    if "echo" in only:
+        await echo_profile(stack)
+    if "cluster" in only:
+        try:
+            await cluster_profile(stack)
+        except Failed:
+            logs = await stack.compose("--profile", "echo", "--profile", "cluster", "logs",
+                                       "--no-color", "--tail", "40")  # fmt: skip
+            print("\n".join(line for line in logs.splitlines() if NOTABLE.search(line))[-6000:])
+            raise
     left = (await stack.run(stack.docker, "ps", "-aq")).split()
     if left:
         raise Failed(f"containers left after down: {left}")
@@ -458,10 +555,13 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="do the kill and the Redis restart this many times"
     )
+    parser.add_argument(
+        "--only", default="default,echo,cluster", help="the steps to run: default, echo, cluster"
+    )
     args = parser.parse_args()
     stack = Stack(project=args.project, docker=args.docker, port=free_port(), rounds=args.rounds)
     try:
-        asyncio.run(drive(stack))
+        asyncio.run(drive(stack, set(args.only.split(","))))
     except Failed as exc:
         print(f"compose-test FAILED: {exc}", file=sys.stderr)
         return 1
