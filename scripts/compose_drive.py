@@ -408,6 +408,8 @@ CLUSTER_ENV = {
 """The variables docs/deploy.md sets for the cluster profile."""
 
 NODES = [f"redis-node-{i}" for i in range(6)]
+ECHO_KEYS = Keys("dq-echo")
+"""The echo profile's keys (its services' ``DUPLEXQ_KEY_PREFIX``)."""
 
 
 async def node_cli(stack: Stack, node: str, *args: str) -> str:
@@ -431,7 +433,7 @@ async def primary_of(stack: Stack, key: str, ask: str) -> str:
 
 
 async def cluster_inputs(stack: Stack, session_id: str, ask: str) -> list[str]:
-    out = await node_cli(stack, ask, "XRANGE", Keys().session(session_id).input, "-", "+")
+    out = await node_cli(stack, ask, "XRANGE", ECHO_KEYS.session(session_id).input, "-", "+")
     return [line for line in out.splitlines() if re.fullmatch(r"\d+-\d+", line)]
 
 
@@ -451,10 +453,12 @@ async def cluster_profile(stack: Stack) -> None:
         answer, _, _ = await session.answer("on a cluster")
         if "on a cluster" not in answer:
             raise Failed(f"the echo pipeline on the cluster answered {answer!r}")
-        meta = Keys().session(session.id).meta
+        meta = ECHO_KEYS.session(session.id).meta
         victim = await primary_of(stack, meta, "redis-node-0")
         ask = next(node for node in NODES if node != victim)
         before = await cluster_inputs(stack, session.id, ask)
+        if not before:
+            raise Failed(f"no input of session {session.id} found on the cluster")
         [container] = await stack.containers(victim)
         stack.killed.add(container["Id"])
         await stack.run(stack.docker, "kill", container["Id"])
