@@ -160,6 +160,7 @@ OTHER_VARIABLES: dict[str, str] = {
     "DUPLEXQ_COMPOSE_WORK": "scripts/compose-test's work folder",
     "DUPLEXQ_COMPOSE_KEEP_BASE": "scripts/compose-test keeps its base file system",
     "DUPLEXQ_COMPOSE_ROUNDS": "scripts/compose-test's kill-and-restart rounds",
+    "DUPLEXQ_COMPOSE_ONLY": "scripts/compose-test's stacks to drive",
     "DUPLEXQ_COMPOSE_STORAGE_DRIVER": "scripts/compose-test's Docker storage driver",
 }
 """``DUPLEXQ_*`` variables that are not settings, with what reads them: the scripts, the
