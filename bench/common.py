@@ -213,13 +213,18 @@ def private_redis(name: str, *, persistent: bool = True) -> Iterator[PrivateRedi
 # -- child processes ------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used (0 when it is gone)."""
+def cpu_times(pid: int) -> tuple[float, float] | None:
+    """The user and the system CPU seconds a process has used (None when it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return None
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (0 when it is gone)."""
+    return sum(cpu_times(pid) or (0.0,))
 
 
 @dataclass

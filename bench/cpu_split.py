@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import CLOCK_TICKS, BenchRedis, private_redis
+from bench.common import BenchRedis, cpu_times, private_redis
 from bench.load import saturate
 from bench.plan import FULL
 from bench.primaries import private_cluster
@@ -30,12 +30,14 @@ from bench.rig import echo_rig
 
 def counters(pid: int) -> dict[str, float]:
     """A process's user and system CPU seconds and its context switches so far."""
+    times = cpu_times(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return {}
-    out = {"user": int(stat[11]) / CLOCK_TICKS, "system": int(stat[12]) / CLOCK_TICKS}
+    if times is None:
+        return {}
+    out = {"user": times[0], "system": times[1]}
     for line in status.splitlines():
         name, _, value = line.partition(":")
         if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):

@@ -333,13 +333,6 @@ redis.call('HSET', KEYS[1], unpack(changes))
 return reply
 """
 
-APPEND_TAKEN = "#!lua flags=allow-oom\n" + APPEND
-"""``APPEND`` for the commit of a turn whose response a journaled notice already announced
-(``response.created`` for a ``response.create``, ``Coordinator.commit``): it runs on a full
-Redis too. Refused, it left a response the client was told of with no commit asking for
-it. It takes memory only once per response reserved, and the reservation (``RESERVE``)
-is refused on a full Redis (``tests/test_redis_full.py``)."""
-
 # KEYS: meta
 # ARGV: inc ep tu rs   (move the fence forward without an input)
 ACCEPT = r"""
@@ -466,6 +459,13 @@ then also refuses a script that touches keys of more than one slot, declared or 
 each script that starts with it touches only KEYS[1] (``RECEIPT``, ``APPEND_TAKEN``: keys
 of one slot). The exceptions to "no more memory" are ``RECEIPT`` and ``APPEND_TAKEN``,
 whose growth is bounded."""
+
+APPEND_TAKEN = ALLOW_OOM + APPEND
+"""``APPEND`` for the commit of a turn whose response a journaled notice already announced
+(``response.created`` for a ``response.create``, ``Coordinator.commit``): it runs on a full
+Redis too. Refused, it left a response the client was told of with no commit asking for
+it. It takes memory only once per response reserved, and the reservation (``RESERVE``)
+is refused on a full Redis (``tests/test_redis_full.py``)."""
 
 # KEYS: lease     ARGV: token ttl_ms
 # Runs on a full Redis (``ALLOW_OOM``): a lease must not lapse, and its session fail over,
@@ -622,7 +622,7 @@ ring(KEYS[3], ARGV[1], 'd')
 return remember(KEYS[1], {'ok', n})
 """
 
-RECEIPT = "#!lua flags=allow-oom\n" + JOURNAL
+RECEIPT = ALLOW_OOM + JOURNAL
 """``JOURNAL`` for a notice that acknowledges a write Redis already took (an item
 created, a buffer cleared, a session updated): it runs on a full Redis too. Refused, the
 client would hear ``redis_full`` for an event that was taken, and send it again (an input
